@@ -1,0 +1,83 @@
+"""Paged attention in plain torch, vectorised across the batch.
+
+Requests are split into two groups once per step: decodes (one query token) and chunks (several). Each
+group gathers its requests' blocks into a padded `[batch, kv_heads, ctx, head_dim]` view and runs one
+masked `scaled_dot_product_attention`. GQA is folded into the query axis (the query heads that share a
+KV head become extra query rows), so no key/value is ever repeated."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, bs, kvh, d] gathered by [b, nb] -> [b, kvh, nb*bs, d]."""
+    b, nb = block_tables.shape
+    _, bs, kvh, d = cache.shape
+    return cache.index_select(0, block_tables.flatten()).view(b, nb * bs, kvh, d).transpose(1, 2)
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, query_lens, context_lens, block_tables, slot_mapping, block_size, num_heads, num_kv_heads):
+        group = num_heads // num_kv_heads
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        extra: dict = {"group": group}
+
+        is_decode = query_lens == 1
+        if bool(is_decode.any()):
+            idx = is_decode.nonzero().squeeze(1)
+            ctx = context_lens[idx]
+            nb = int((ctx.max() + block_size - 1) // block_size)
+            key_pos = torch.arange(nb * block_size)
+            extra["dec_tokens"] = starts[idx]
+            extra["dec_tables"] = block_tables[idx, :nb].contiguous()
+            extra["dec_mask"] = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
+
+        is_chunk = ~is_decode
+        if bool(is_chunk.any()):
+            idx = is_chunk.nonzero().squeeze(1)
+            qlen, ctx = query_lens[idx], context_lens[idx]
+            max_q = int(qlen.max())
+            nb = int((ctx.max() + block_size - 1) // block_size)
+            qi = torch.arange(max_q)
+            valid = qi[None, :] < qlen[:, None]  # [bp, max_q]
+            tokens = torch.where(valid, starts[idx][:, None] + qi[None, :], 0)
+            q_pos = (ctx - qlen)[:, None] + qi[None, :]  # absolute position of each query row
+            key_pos = torch.arange(nb * block_size)
+            mask = key_pos[None, None, :] <= q_pos[:, :, None]
+            mask[:, :, 0] |= ~valid  # padded rows see one key: no NaN, result discarded
+            extra["chunk_tokens"] = tokens
+            extra["chunk_valid"] = valid
+            extra["chunk_valid_tokens"] = tokens[valid]
+            extra["chunk_tables"] = block_tables[idx, :nb].contiguous()
+            extra["chunk_mask"] = mask.repeat_interleave(group, dim=1)[:, None]
+        return AttentionMetadata(slot_mapping, query_lens, context_lens, block_tables, extra)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        x = meta.extra
+        t, h, d = query.shape
+        g = x["group"]
+        kvh = h // g
+        out = torch.empty_like(query)
+        if "dec_tokens" in x:
+            tok = x["dec_tokens"]
+            q = query[tok].view(-1, kvh, g, d)
+            k = _gather_kv(k_cache, x["dec_tables"])
+            v = _gather_kv(v_cache, x["dec_tables"])
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=x["dec_mask"], scale=scale)
+            out[tok] = o.reshape(-1, h, d)
+        if "chunk_tokens" in x:
+            tok = x["chunk_tokens"]
+            bp, max_q = tok.shape
+            q = query[tok].view(bp, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, max_q * g, d)
+            k = _gather_kv(k_cache, x["chunk_tables"])
+            v = _gather_kv(v_cache, x["chunk_tables"])
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=x["chunk_mask"], scale=scale)
+            o = o.view(bp, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(bp, max_q, h, d)
+            out[x["chunk_valid_tokens"]] = o[x["chunk_valid"]]
+        return out

@@ -1,0 +1,1 @@
+"""Offline load-test harness: benchmark workloads, HF baselines and our engine."""

@@ -1,0 +1,45 @@
+"""Run a workload through our engine's offline ``LLM.generate`` API."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from loadtest.results import RunResult, loadavg
+from loadtest.workloads import BenchRequest
+
+
+def load_engine(model_path: str, dtype: str = "bfloat16") -> Any:
+    """Construct ``serving.LLM`` (imported lazily: the engine may be absent)."""
+    from serving import LLM
+
+    return LLM(model=model_path, dtype=dtype)
+
+
+def generate_token_ids(llm: Any, requests: Sequence[BenchRequest]) -> list[list[int]]:
+    """Submit all requests in one ``generate`` call; return generated ids in input order."""
+    from serving import SamplingParams
+
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+              for r in requests]
+    outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params, use_tqdm=False)
+    if len(outputs) != len(requests):
+        raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(requests)} requests")
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    for i, (r, ids) in enumerate(zip(requests, token_ids)):
+        if len(ids) != r.output_len:
+            raise RuntimeError(f"request {i}: engine generated {len(ids)} tokens, expected {r.output_len}")
+    return token_ids
+
+
+def run_engine(llm: Any, requests: Sequence[BenchRequest]) -> RunResult:
+    """Time one offline ``generate`` over all requests (model load excluded)."""
+    generate_token_ids(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # untimed warm-up
+    load0, t0 = loadavg(), time.perf_counter()
+    token_ids = generate_token_ids(llm, requests)
+    wall = time.perf_counter() - t0
+    useful = sum(len(ids) for ids in token_ids)
+    return RunResult(
+        system="engine", num_requests=len(requests), wall_s=wall, useful_tokens=useful,
+        generated_tokens=useful, loadavg_start=load0, loadavg_end=loadavg(), token_ids=token_ids,
+    )

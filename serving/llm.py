@@ -1,0 +1,94 @@
+"""Offline generation in the manner of vLLM's `LLM`: submit everything, step the engine until done,
+return outputs in input order."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+
+from workers.config import EngineConfig
+from workers.engine import Engine, OutputKind
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """`LLM(model=None, **engine_options)`; `model=None` is the default SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or many (strings or token-id lists); one `SamplingParams` for all or
+        one per prompt. All prompts are validated before any is queued."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        for p in prompts:
+            self.engine.validate_prompt(p, None)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp, prio in zip(ids, prompts, params, priorities):
+                self.engine.add_request(rid, prompt, sp, priority=prio, output_kind=OutputKind.FINAL_ONLY)
+                added.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(added)
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool | None) -> list[RequestOutput]:
+        if use_tqdm is None:
+            use_tqdm = len(ids) >= 32 and sys.stderr.isatty()
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or many, formatted by the tokenizer's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        if not conversation:
+            raise ValueError("messages must not be empty")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,67 @@
+"""Engine configuration: vLLM's option names, each with a help string, validated on construction."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+from workers.request_queue import SchedulingPolicy
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30}
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MiB', '1.5g'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use bytes or e.g. '2GiB', '512MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _opt(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _opt(None, "Path to a Hugging Face model folder (Llama family); default: SmolLM2-135M-Instruct.")
+    dtype: str = _opt("bfloat16", "Weights and KV cache dtype: auto, bfloat16, float16 or float32.")
+    max_model_len: int | None = _opt(None, "Longest prompt + output in tokens; default: the model's maximum, capped at 8192.")
+    max_num_seqs: int = _opt(256, "Most sequences running in one step.")
+    max_num_batched_tokens: int = _opt(2048, "Token budget of one step (prefill chunks plus decodes).")
+    block_size: int = _opt(16, "Tokens per KV cache block.")
+    num_kv_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory).")
+    kv_cache_memory: int | str = _opt("2GiB", "KV cache size as memory, e.g. 2GiB; the block count follows from the model's shape.")
+    scheduling_policy: str = _opt("fcfs", "Waiting-queue order: fcfs, priority, sjf or predicted.")
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps; off runs each prompt whole (budget >= max_model_len).")
+    attention_backend: str = _opt("auto", "Attention kernel: auto or a registered backend name.")
+    num_threads: int | None = _opt(None, "torch threads for the engine; default: all cores.")
+    seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if parse_memory(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        try:
+            SchedulingPolicy(self.scheduling_policy)
+        except ValueError:
+            options = ", ".join(p.value for p in SchedulingPolicy)
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose one of {options}") from None
+        if self.num_threads is None:
+            self.num_threads = os.cpu_count() or 1
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

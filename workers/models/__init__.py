@@ -1,0 +1,1 @@
+"""Decoder models written against the paged KV cache."""

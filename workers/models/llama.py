@@ -1,0 +1,182 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Plain modules in the gpt-fast manner: the batch is one flat run of tokens (no padding), q/k/v and
+gate/up projections are fused into one matmul each, and only the rows that sample reach the LM head."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    inv_freq: torch.Tensor
+    rope_scaling: float = 1.0
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelArgs:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("rope_type 'dynamic' (NTK scaling that depends on sequence length) is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            inv_freq=inv_freq.float(),
+            rope_scaling=float(scaling),
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face computes it: normalise in float32, scale in the model's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `x * cos + rotate_half(x) * sin`, written per half so it rounds identically.
+    x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim // 2] (both halves of the table are equal)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+    return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
+        qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.qkv = nn.Parameter(torch.empty(qkv_out, a.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_out)) if a.qkv_bias else None
+        self.o_proj = nn.Parameter(torch.empty(a.hidden_size, a.num_heads * a.head_dim))
+        self.post_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
+        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        qk = apply_rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+        q, k = qk[:, :h], qk[:, h:]
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+        attn.write_kv(k_cache, v_cache, k, v, meta)
+        o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5)
+        x = x + F.linear(o.view(t, h * d), self.o_proj)
+        gate, up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
+        self.cos_table = self.sin_table = torch.empty(0)
+
+    def init_rope(self, max_positions: int, dtype: torch.dtype) -> None:
+        """cos/sin for every position, computed in float32 as Hugging Face does, stored in `dtype`."""
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.args.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = (emb.cos() * self.args.rope_scaling).to(dtype)
+        self.sin_table = (emb.sin() * self.args.rope_scaling).to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attn: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits for the rows in `logits_indices` only."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        half = self.cos_table.shape[-1] // 2
+        cos = self.cos_table[positions, :half].unsqueeze(1)
+        sin = self.sin_table[positions, :half].unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, attn, meta)
+        x = rms_norm(x[logits_indices], self.norm, self.args.rms_norm_eps)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if any are missing."""
+        w = {k.removeprefix("model."): v for k, v in weights}
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in w:
+                missing.append(name)
+                return torch.zeros(1)
+            return w.pop(name)
+
+        mismatched: list[str] = []
+
+        def put(param: nn.Parameter | None, value: torch.Tensor) -> None:
+            if param is None:
+                return
+            if value.shape != param.shape:
+                mismatched.append(f"{tuple(value.shape)} for {tuple(param.shape)}")
+                return
+            param.data.copy_(value)
+
+        put(self.embed_tokens, take("embed_tokens.weight"))
+        put(self.norm, take("norm.weight"))
+        if self.lm_head is not None:
+            put(self.lm_head, take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            put(layer.input_norm, take(p + "input_layernorm.weight"))
+            put(layer.post_norm, take(p + "post_attention_layernorm.weight"))
+            put(layer.qkv, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_bias is not None:
+                put(layer.qkv_bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            put(layer.o_proj, take(p + "self_attn.o_proj.weight"))
+            put(layer.gate_up, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            put(layer.down, take(p + "mlp.down_proj.weight"))
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        if mismatched:
+            raise ValueError(f"checkpoint tensor shapes do not match the config: {mismatched[:3]}")

@@ -1,0 +1,72 @@
+"""Turning the step's logits into tokens, vectorised over the rows that sample.
+
+Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then sample by the
+exponential-race trick (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw their noise from
+their own generator while the rest share one draw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    # per row: (sampled token's logprob, its rank, top-k ids, top-k logprobs), or None if not requested
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (top-p); rows with k=-1/p=1 are untouched."""
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab).expand_as(sorted_x)
+    drop = ranks >= k[:, None]
+    probs = sorted_x.masked_fill(drop, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs  # mass strictly before this token
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False
+    return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SampleOutput:
+    """`logits`: float32 [rows, vocab]; one `params` and optional seeded generator per row."""
+    greedy_tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    tokens = greedy_tokens
+    if random_rows:
+        idx = torch.tensor(random_rows)
+        sub = [params[i] for i in random_rows]
+        x = logits[idx] / torch.tensor([p.temperature for p in sub])[:, None]
+        top_k = torch.tensor([p.top_k for p in sub])
+        top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float)
+        if bool((top_k > 0).any() or (top_p < 1).any()):
+            x = _apply_top_k_top_p(x, top_k, top_p)
+        probs = x.softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        for row, i in enumerate(random_rows):
+            if generators[i] is not None:
+                noise[row].exponential_(generator=generators[i])
+        tokens = greedy_tokens.clone()
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+
+    logprobs: list = [None] * len(params)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        idx = torch.tensor(want)
+        lp = logits[idx].log_softmax(-1)
+        chosen = tokens[idx]
+        chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+        ranks = (lp > chosen_lp[:, None]).sum(-1) + 1
+        k = max(params[i].logprobs for i in want)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
+        for row, i in enumerate(want):
+            n = params[i].logprobs
+            logprobs[i] = (float(chosen_lp[row]), int(ranks[row]), top_ids[row, :n].tolist(), top_lp[row, :n].tolist())
+    return SampleOutput(token_list, logprobs)
