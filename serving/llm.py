@@ -76,7 +76,9 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or many, formatted by the tokenizer's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("messages must not be empty")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

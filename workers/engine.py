@@ -14,7 +14,8 @@ from kernels.attention import get_attention_backend
 from workers.config import EngineConfig, parse_memory
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_cache_manager import KVCacheManager
-from workers.model_loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path
+from workers.model_loader import (load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path,
+                                  weight_files)
 from workers.model_runner import ModelRunner
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
 from workers.request import Request, RequestStatus
@@ -41,6 +42,7 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    computed_tokens: int
     finished: dict[str, int]
 
 
@@ -81,6 +83,7 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)
+        weight_files(path)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         self.dtype = resolve_dtype(config.dtype)
@@ -112,6 +115,7 @@ class Engine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._computed_tokens = 0
         self._finished: Counter[str] = Counter()
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -186,6 +190,7 @@ class Engine:
         if not sched.requests:
             return []
         result = self.runner.execute(sched)
+        self._computed_tokens += sched.total_num_tokens
         sampled = self.scheduler.update_from_output(sched, result.token_ids)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -285,5 +290,6 @@ class Engine:
             generation_tokens=self._generation_tokens,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            computed_tokens=self._computed_tokens,
             finished=dict(self._finished),
         )

@@ -93,12 +93,17 @@ def load_hf_config(path: str):
     return config
 
 
-def load_model(path: str, config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
-    from safetensors import safe_open
-
+def weight_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model path {path!r} has no *.safetensors weights")
+    return files
+
+
+def load_model(path: str, config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    files = weight_files(path)
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
@@ -119,4 +124,7 @@ def load_model(path: str, config, dtype: torch.dtype, max_positions: int) -> Lla
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e

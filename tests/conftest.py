@@ -1,0 +1,78 @@
+"""Shared fixtures: the real default model (dense float folder), a tiny random-weight model with the
+same tokenizer, and corpus prompts of chosen lengths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+CORPUS = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "corpus.txt"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from workers.model_loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from workers.model_loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def corpus_ids(tokenizer) -> list[int]:
+    return tokenizer(CORPUS.read_text()[:200_000], add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="session")
+def make_prompts(corpus_ids):
+    def make(lengths: list[int], seed: int = 0) -> list[list[int]]:
+        return [corpus_ids[(i * 997 + seed) % 20000:][:n] for i, n in enumerate(lengths)]
+
+    return make
+
+
+def write_tiny_model(path: Path, tokenizer_dir: str, **overrides) -> str:
+    """A random-weight Hugging Face model folder with the default tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kind = overrides.pop("model_type", "llama")
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+              initializer_range=0.2, tie_word_embeddings=True)
+    kw.update(overrides)
+    config = AutoConfig.for_model(kind, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(default_model_dir):
+    """The reference: a plain transformers LlamaForCausalLM on the same dense weights, float32."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = 2) -> list[int]:
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()

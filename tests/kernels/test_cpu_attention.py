@@ -1,0 +1,93 @@
+"""The paged CPU kernel against dense causal attention on random inputs: GQA, mixed chunk/decode
+batches, block sizes 1/16/32, context lengths off block boundaries, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import available_backends, get_attention_backend
+
+# (new tokens this step, context length including them) per request: decodes and chunks mixed,
+# a whole prompt (query == context), a chunk continuing a prompt, lengths off block boundaries.
+BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (3, 50), (1, 1)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def dense_reference(q, k, v, q_len, ctx):
+    group = q.shape[1] // k.shape[1]
+    qq = q.float().transpose(0, 1)
+    kk = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vv = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    mask = torch.arange(ctx)[None, :] <= (torch.arange(q_len) + ctx - q_len)[:, None]
+    return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
+
+
+def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    backend = get_attention_backend("torch")
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
+    tables, keys, values, slots = [], [], [], []
+    for q_len, ctx in batch:
+        blocks = [free.pop() for _ in range(-(-ctx // block_size))]
+        k = torch.randn(ctx, kv_heads, dim, generator=gen).to(dtype)
+        v = torch.randn(ctx, kv_heads, dim, generator=gen).to(dtype)
+        for p in range(ctx - q_len):  # what earlier steps cached
+            k_cache[blocks[p // block_size], p % block_size] = k[p]
+            v_cache[blocks[p // block_size], p % block_size] = v[p]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+        tables.append(blocks)
+        keys.append(k)
+        values.append(v)
+    width = max(map(len, tables))
+    meta = backend.build_metadata(
+        torch.tensor([q for q, _ in batch]), torch.tensor([c for _, c in batch]),
+        torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(slots), block_size, heads, kv_heads)
+    backend.write_kv(k_cache, v_cache, torch.cat([k[c - q:] for k, (q, c) in zip(keys, batch)]),
+                     torch.cat([v[c - q:] for v, (q, c) in zip(values, batch)]), meta)
+    query = torch.randn(sum(q for q, _ in batch), heads, dim, generator=gen).to(dtype)
+    out = backend.forward(query, k_cache, v_cache, meta, dim ** -0.5)
+    expected, start = [], 0
+    for k, v, (q_len, ctx) in zip(keys, values, batch):
+        expected.append(dense_reference(query[start:start + q_len], k, v, q_len, ctx))
+        start += q_len
+    return out, torch.cat(expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_mixed_batch_matches_dense(block_size, dtype):
+    out, expected = run_case(block_size, dtype, BATCH)
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("batch", [[(1, 17)] * 4, [(9, 9), (16, 31)]], ids=["decode-only", "chunks-only"])
+def test_single_group_batches(batch):
+    out, expected = run_case(16, torch.float32, batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_multi_query_attention():
+    out, expected = run_case(16, torch.float32, BATCH, heads=8, kv_heads=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_fills_slots():
+    backend = get_attention_backend()
+    cache_k = torch.zeros(4, 2, 1, 3)
+    cache_v = torch.zeros(4, 2, 1, 3)
+    meta = backend.build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[3]]), torch.tensor([6, 7]), 2, 1, 1)
+    key = torch.arange(6.0).view(2, 1, 3)
+    backend.write_kv(cache_k, cache_v, key, -key, meta)
+    assert torch.equal(cache_k[3], key) and torch.equal(cache_v[3], -key)
+    assert cache_k[:3].abs().sum() == 0
+
+
+def test_registry():
+    assert "torch" in available_backends()
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("nope")

@@ -1,0 +1,110 @@
+"""Sampling through the engine: seeds, n > 1 with shared prompt blocks, top-k, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving import LLM, SamplingParams
+from workers.engine import OutputKind
+from workers.sampler import sample
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(default_model_dir, dtype="float32", max_model_len=1024, kv_cache_memory="128MiB")
+
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def test_same_seed_same_text(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234)
+    a = llm.generate(PROMPT, params)[0].outputs[0]
+    b = llm.generate([PROMPT, "unrelated filler prompt"], params)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    c = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=99))[0].outputs[0]
+    assert c.token_ids != a.token_ids
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.0))[0].outputs[0]
+    top1 = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.5, top_k=1))[0].outputs[0]
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_n2_children_share_prompt_blocks(llm, make_prompts):
+    (prompt,) = make_prompts([100], seed=7)
+    engine = llm.engine
+    before = engine.get_stats().computed_tokens
+    engine.add_request("n2", prompt, SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=5),
+                       output_kind=OutputKind.FINAL_ONLY)
+    shared_seen = False
+    final = None
+    while engine.has_unfinished_requests():
+        reqs = list(engine.scheduler.running)
+        if len(reqs) == 2:
+            a, b = reqs
+            shared = (100 - 1) // 16
+            assert a.block_ids[:shared] == b.block_ids[:shared]
+            assert all(engine.kv_cache.pool.ref_cnt[x] == 2 for x in a.block_ids[:shared])
+            assert set(a.block_ids[shared:]).isdisjoint(b.block_ids[shared:])
+            shared_seen = True
+        for out in engine.step():
+            final = out
+    assert shared_seen
+    assert [o.index for o in final.outputs] == [0, 1]
+    assert all(len(o.token_ids) == 6 for o in final.outputs)
+    computed = engine.get_stats().computed_tokens - before
+    assert computed < 2 * 100  # the second child did not recompute the shared blocks
+    assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_n2_through_generate(llm):
+    out = llm.generate(PROMPT, SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=3))[0]
+    assert len(out.outputs) == 2 and out.outputs[0].token_ids != out.outputs[1].token_ids
+
+
+def test_stop_string_ends_output_and_is_excluded(llm, make_prompts):
+    (prompt,) = make_prompts([60], seed=2)
+    full = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))[0].outputs[0]
+    words = full.text.split()
+    assert len(words) > 4
+    stop = " " + words[3]
+    expected = full.text[: full.text.index(stop)]
+    out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0, stop=[stop, "zzzz-never"]))[0].outputs[0]
+    assert out.text == expected
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_and_length(llm, make_prompts):
+    (prompt,) = make_prompts([50], seed=4)
+    full = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    out = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[full.token_ids[4]]))[0]
+    first = full.token_ids.index(full.token_ids[4])
+    assert out.outputs[0].token_ids == full.token_ids[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == full.token_ids[4]
+
+
+def test_logprobs(llm):
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].rank == 1
+        assert len(entry) == 3 and all(lp.logprob <= 0 for lp in entry.values())
+        assert entry[token].logprob == max(lp.logprob for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_sampler_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.7)]
+    seen = [set(), set()]
+    for seed in range(200):
+        out = sample(logits, params, [torch.Generator().manual_seed(seed), None])
+        for row, tok in enumerate(out.token_ids):
+            seen[row].add(tok)
+    assert seen[0] == {2, 3}
+    assert seen[1] == {0, 1}  # probabilities .64, .24, .09, .03: the nucleus of 0.7 needs two tokens

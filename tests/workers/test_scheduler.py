@@ -1,0 +1,497 @@
+"""Scheduler driven by a fake engine loop, with invariants checked after every step.
+
+The fake model keeps a simulated KV cache: every computed position writes a value that depends on the
+whole token history up to it into its block slot, and every step first checks that the request's already
+computed positions read back what they should. So a prefix-cache hit, a shared sibling block or a block
+reused too early shows up as a wrong read, not only as a wrong ref count."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from workers.kv_cache_manager import KVCacheManager, cdiv
+from workers.request import Request, RequestStatus
+from workers.request_queue import make_request_queue
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+
+POLICIES = ["fcfs", "priority", "sjf", "predicted"]
+
+
+def make_req(rid: str, prompt: list[int], max_tokens: int, arrival: float, priority: int = 0) -> Request:
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), max_tokens=max_tokens,
+                   arrival_time=arrival, priority=priority)
+
+
+def kv_value(tokens: list[int], p: int) -> int:
+    """What position `p`'s KV entry holds: a function of every token up to and including it."""
+    return hash(tuple(tokens[:p + 1]))
+
+
+def fake_token(tokens: list[int]) -> int:
+    return hash(tuple(tokens)) % 1000
+
+
+@dataclass
+class Spec:
+    """One request (a leader) and its siblings, arriving at `arrival`."""
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float
+    priority: int = 0
+    num_siblings: int = 0
+
+
+@dataclass
+class Result:
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+    first_scheduled: list[str] = field(default_factory=list)
+    num_preemptions: int = 0
+    steps: int = 0
+    sibling_first_shared: dict[str, int] = field(default_factory=dict)
+
+
+class Harness:
+    def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked: bool = True, prefix_caching: bool = True, policy: str = "fcfs") -> None:
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked)
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+        self.sched = Scheduler(self.config, self.kv, make_request_queue(policy))
+        self.pool = self.kv.pool
+        self.bs = block_size
+        self.num_blocks = num_blocks
+        self.chunked = chunked
+        self.slots: dict[int, list[int | None]] = {b: [None] * block_size for b in range(num_blocks)}
+        self.all: dict[str, Request] = {}
+        self.leader_of: dict[str, Request] = {}
+        self.result = Result()
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, spec: Spec) -> list[Request]:
+        leader = make_req(spec.rid, spec.prompt, spec.max_tokens, spec.arrival, spec.priority)
+        sibs = [make_req(f"{spec.rid}#{k}", spec.prompt, spec.max_tokens, spec.arrival, spec.priority)
+                for k in range(1, spec.num_siblings + 1)]
+        self.sched.add_request(leader, sibs)
+        for r in [leader, *sibs]:
+            self.all[r.request_id] = r
+        for s in sibs:
+            self.leader_of[s.request_id] = leader
+        return [leader, *sibs]
+
+    def live(self) -> list[Request]:
+        return list(self.sched.requests.values())
+
+    def abort(self, req: Request) -> None:
+        self.sched.finish_requests([req], RequestStatus.FINISHED_ABORTED)
+        self.result.aborted.add(req.request_id)
+        assert req.block_ids == []
+        assert req.request_id not in self.sched.requests
+
+    # -- invariants ------------------------------------------------------------------------------
+    def check_pool(self) -> None:
+        refs: Counter[int] = Counter()
+        for r in self.live():
+            assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id} lists a block twice"
+            refs.update(r.block_ids)
+            assert len(r.block_ids) * self.bs >= r.num_computed_tokens, f"{r.request_id} blocks don't cover it"
+            assert r.num_computed_tokens <= r.num_tokens
+        for b in range(self.num_blocks):
+            assert self.pool.ref_cnt[b] == refs[b], f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != owners {refs[b]}"
+        free = set(self.pool._free)
+        assert all(self.pool.ref_cnt[b] == 0 for b in free), "a referenced block sits in the free list"
+        assert len(free) == sum(1 for b in range(self.num_blocks) if self.pool.ref_cnt[b] == 0)
+        assert self.pool.num_free_blocks == len(free)
+        # every cached block really holds what its key says (checked against the simulated KV)
+        for h, b in self.pool._cached.items():
+            assert self.pool._block_hash[b] == h
+        for r in self.sched.running:
+            assert r.status is RequestStatus.RUNNING
+        assert len(self.sched.running) == len(set(map(id, self.sched.running)))
+        waiting = list(self.sched.waiting)
+        assert not set(map(id, waiting)) & set(map(id, self.sched.running)), "a request both waiting and running"
+
+    def check_reads(self, req: Request, upto: int) -> None:
+        """The request's computed positions read back the values its own history implies."""
+        for p in range(upto):
+            b = req.block_ids[p // self.bs]
+            assert self.slots[b][p % self.bs] == kv_value(req.all_token_ids, p), (
+                f"{req.request_id} reads a wrong KV entry at position {p} (block {b})")
+
+    # -- one engine step -------------------------------------------------------------------------
+    def step(self) -> bool:
+        sched, cfg = self.sched, self.config
+        before = {id(r): r.num_computed_tokens for r in self.live()}
+        out = sched.schedule()
+        self.result.steps += 1
+        assert len(out.requests) == len(out.num_new_tokens)
+        assert out.total_num_tokens <= cfg.max_num_batched_tokens
+        assert len(out.requests) <= cfg.max_num_seqs
+        assert len(sched.running) <= cfg.max_num_seqs
+        assert len(set(map(id, out.requests))) == len(out.requests)
+        assert all(r in sched.running for r in out.requests)
+        assert not set(map(id, out.preempted)) & set(map(id, out.requests))
+        for r in out.preempted:
+            assert r.block_ids == [] and r.num_computed_tokens == 0
+        self.check_pool()
+
+        tokens: list[int] = []
+        for r, n in zip(out.requests, out.num_new_tokens):
+            assert n >= 1
+            assert r.num_computed_tokens + n <= r.num_tokens
+            assert len(r.block_ids) * self.bs >= r.num_computed_tokens + n
+            if r.request_id not in self.result.first_scheduled:
+                self.result.first_scheduled.append(r.request_id)
+                if r.request_id in self.leader_of:
+                    # a sibling starts only once its leader computed the whole prompt
+                    leader = self.leader_of[r.request_id]
+                    assert leader.num_computed_tokens >= leader.num_prompt_tokens or leader.status.finished \
+                        or leader.request_id in self.result.aborted or leader.num_preemptions > 0
+                    self.result.sibling_first_shared.setdefault(r.request_id, r.num_computed_tokens)
+            if not self.chunked:
+                # no chunking: a (re)start computes everything it owes at once
+                assert r.num_computed_tokens + n == r.num_tokens, f"{r.request_id} was chunked"
+            self.check_reads(r, r.num_computed_tokens)
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                b = r.block_ids[p // self.bs]
+                assert self.pool.ref_cnt[b] == 1, f"{r.request_id} writes into shared block {b}"
+                assert self.pool._block_hash[b] is None, f"{r.request_id} writes into cached block {b}"
+                self.slots[b][p % self.bs] = kv_value(r.all_token_ids, p)
+            if r.num_computed_tokens + n == r.num_tokens:
+                tokens.append(fake_token(r.all_token_ids))
+
+        sampled = sched.update_from_output(out, tokens)
+        assert len(sampled) == len(tokens)
+        self.check_pool()
+        done = [r for r in sampled if r.num_output_tokens >= r.max_tokens]
+        for r in sampled:
+            assert r.num_output_tokens <= r.max_tokens
+        for r in done:
+            self.result.outputs[r.request_id] = list(r.output_token_ids)
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+        for r in done:
+            assert r.block_ids == []
+        self.check_pool()
+        after = {id(r): r.num_computed_tokens for r in self.live()}
+        return bool(out.requests) or bool(out.preempted) or bool(done) or before != after
+
+    def run(self, specs: list[Spec], aborts: dict[int, list[int]] | None = None, max_steps: int = 5000) -> Result:
+        """Add every request up front (in arrival order), then step; `aborts[step]` lists indices into the
+        live requests to abort before that step."""
+        aborts = aborts or {}
+        for s in sorted(specs, key=lambda s: s.arrival):
+            self.add(s)
+        self.check_pool()
+        idle = 0
+        for step in range(max_steps):
+            for k in aborts.get(step, []):
+                live = sorted(self.live(), key=lambda r: r.request_id)
+                if live:
+                    self.abort(live[k % len(live)])
+                    self.check_pool()
+            if not self.sched.has_unfinished_requests():
+                break
+            idle = 0 if self.step() else idle + 1
+            assert idle < 3, (f"scheduler stalled at step {step}: running={len(self.sched.running)} "
+                              f"waiting={self.sched.num_waiting} free={self.pool.num_free_blocks}")
+        else:
+            pytest.fail(f"not done after {max_steps} steps")
+        self.check_final()
+        self.result.num_preemptions = self.sched.num_preemptions
+        return self.result
+
+    def check_final(self) -> None:
+        sched = self.sched
+        assert not sched.has_unfinished_requests()
+        assert sched.running == []
+        assert len(sched.waiting) == 0
+        assert sched.num_waiting == 0
+        assert self.pool.num_free_blocks == self.num_blocks
+        assert all(c == 0 for c in self.pool.ref_cnt)
+        for rid, r in self.all.items():
+            assert r.status.finished
+            if rid in self.result.aborted:
+                assert r.status is RequestStatus.FINISHED_ABORTED
+            else:
+                assert r.status is RequestStatus.FINISHED_LENGTH
+                assert r.num_output_tokens == r.max_tokens
+        assert set(self.result.outputs) | self.result.aborted == set(self.all)
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(fake_token(toks))
+    return toks[len(prompt):]
+
+
+# ---- strategies ------------------------------------------------------------------------------------
+
+
+@st.composite
+def scenarios(draw, *, siblings: bool = False, with_aborts: bool = True):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    prefixes = [draw(st.lists(st.integers(0, 3), min_size=0, max_size=12)) for _ in range(2)]
+    n = draw(st.integers(1, 7))
+    specs = []
+    for i in range(n):
+        shared = draw(st.sampled_from([[], *prefixes]))
+        tail = draw(st.lists(st.integers(0, 3), min_size=0 if shared else 1, max_size=10))
+        prompt = (shared + tail) or [0]
+        specs.append(Spec(f"r{i}", prompt, draw(st.integers(1, 8)), float(draw(st.integers(0, 20))) + i / 100,
+                          draw(st.integers(0, 2)), draw(st.integers(0, 2)) if siblings else 0))
+    longest = max(len(s.prompt) + s.max_tokens for s in specs)
+    min_blocks = cdiv(longest, block_size)
+    num_blocks = draw(st.integers(min_blocks, min_blocks * 2))
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(1, 2 * longest)) if chunked else draw(st.integers(longest, 2 * longest))
+    cfg = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=draw(st.integers(1, 6)),
+               max_num_batched_tokens=budget, chunked=chunked, prefix_caching=draw(st.booleans()),
+               policy=draw(st.sampled_from(POLICIES)))
+    aborts = {}
+    if with_aborts:
+        for _ in range(draw(st.integers(0, 3))):
+            aborts.setdefault(draw(st.integers(0, 15)), []).append(draw(st.integers(0, 50)))
+    return cfg, specs, aborts
+
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- property tests ------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(scenarios())
+def test_random_workloads_keep_invariants_and_finish(scenario):
+    cfg, specs, aborts = scenario
+    res = Harness(**cfg).run(specs, aborts)
+    for s in specs:
+        if s.rid not in res.aborted:
+            assert res.outputs[s.rid] == expected_output(s.prompt, s.max_tokens)
+
+
+@SETTINGS
+@given(scenarios(with_aborts=False))
+def test_small_pool_gives_same_outputs_as_huge_pool(scenario):
+    cfg, specs, _ = scenario
+    small = Harness(**cfg).run(specs)
+    huge_cfg = dict(cfg, num_blocks=cfg["num_blocks"] * 10, max_num_seqs=64, max_num_batched_tokens=10_000)
+    huge = Harness(**huge_cfg).run(specs)
+    assert huge.num_preemptions == 0
+    assert small.outputs == huge.outputs
+    assert set(small.outputs) == {s.rid for s in specs}
+
+
+@SETTINGS
+@given(scenarios(with_aborts=False), st.booleans())
+def test_fcfs_without_preemption_schedules_in_arrival_order(scenario, chunked):
+    cfg, specs, _ = scenario
+    longest = max(len(s.prompt) + s.max_tokens for s in specs)
+    total_blocks = sum(cdiv(len(s.prompt) + s.max_tokens, cfg["block_size"]) for s in specs)
+    cfg = dict(cfg, policy="fcfs", num_blocks=total_blocks, chunked=chunked,
+               max_num_batched_tokens=max(cfg["max_num_batched_tokens"], longest if not chunked else 1))
+    res = Harness(**cfg).run(specs)
+    assert res.num_preemptions == 0
+    order = [s.rid for s in sorted(specs, key=lambda s: s.arrival)]
+    assert res.first_scheduled == order
+
+
+@SETTINGS
+@given(scenarios(siblings=True))
+def test_random_workloads_with_siblings(scenario):
+    cfg, specs, aborts = scenario
+    # waiting siblings pin their shared prompt blocks; give the pool room for them (see the dedicated
+    # test below for what happens when it has none)
+    extra = sum(s.num_siblings * cdiv(len(s.prompt), cfg["block_size"]) for s in specs)
+    cfg = dict(cfg, num_blocks=cfg["num_blocks"] + extra)
+    res = Harness(**cfg).run(specs, aborts)
+    for s in specs:
+        for rid in [s.rid] + [f"{s.rid}#{k}" for k in range(1, s.num_siblings + 1)]:
+            if rid not in res.aborted:
+                assert res.outputs[rid] == expected_output(s.prompt, s.max_tokens)
+
+
+# ---- targeted tests ------------------------------------------------------------------------------
+
+
+def test_budget_and_max_num_seqs_are_respected_with_chunking():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=2, max_num_batched_tokens=10)
+    specs = [Spec(f"r{i}", list(range(i, i + 13)), 3, float(i)) for i in range(4)]
+    for s in specs:
+        h.add(s)
+    out = h.sched.schedule()
+    assert [r.request_id for r in out.requests] == ["r0"]
+    assert out.num_new_tokens == [10]  # r0's prompt is chunked at the budget
+    h.sched.update_from_output(out, [])
+    out = h.sched.schedule()
+    assert [r.request_id for r in out.requests] == ["r0", "r1"]
+    assert out.num_new_tokens == [3, 7]
+    assert len(h.sched.running) == 2 and len(h.sched.waiting) == 2
+
+
+def test_no_chunking_waits_for_budget_instead_of_splitting():
+    h = Harness(num_blocks=100, block_size=4, max_num_seqs=8, max_num_batched_tokens=20, chunked=False)
+    h.add(Spec("a", list(range(12)), 4, 0.0))
+    h.add(Spec("b", list(range(50, 62)), 4, 1.0))
+    out = h.sched.schedule()
+    assert [r.request_id for r in out.requests] == ["a"]
+    assert out.num_new_tokens == [12]
+
+
+def test_prefix_cache_hit_in_the_scheduler():
+    h = Harness(num_blocks=20, block_size=4, max_num_seqs=4, max_num_batched_tokens=100)
+    prompt = list(range(10))
+    h.run([Spec("a", prompt, 2, 0.0)])
+    h.add(Spec("b", prompt + [7], 2, 1.0))
+    out = h.sched.schedule()
+    (b,) = out.requests
+    assert out.num_new_tokens == [11 - 8]  # two full blocks came from the cache
+    assert b.num_cached_tokens == 8
+    assert h.kv.prefix_cache_hits == 8
+
+
+def test_preemption_happens_and_recompute_reproduces_outputs():
+    # each request needs 4 blocks over its life; 6 blocks can't hold three of them
+    specs = [Spec(f"r{i}", [i] * 6 + [9, 9], 8, float(i)) for i in range(3)]
+    for policy in POLICIES:
+        for caching in (True, False):
+            small = Harness(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                            policy=policy, prefix_caching=caching)
+            res = small.run(specs)
+            assert res.num_preemptions > 0, policy
+            huge = Harness(num_blocks=600, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                           policy=policy, prefix_caching=caching).run(specs)
+            assert huge.num_preemptions == 0
+            assert res.outputs == huge.outputs == {s.rid: expected_output(s.prompt, 8) for s in specs}
+
+
+def test_fcfs_preempts_the_newest_and_requeues_it_first():
+    h = Harness(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False)
+    a, = h.add(Spec("a", list(range(4)), 8, 0.0))
+    b, = h.add(Spec("b", list(range(10, 14)), 8, 1.0))
+    c, = h.add(Spec("c", list(range(20, 24)), 8, 2.0))
+    d, = h.add(Spec("d", list(range(30, 34)), 8, 3.0))
+    h.step()
+    assert h.sched.running == [a, b, c, d]
+    out = h.sched.schedule()  # each needs a 2nd block: d and c make room for a and b
+    assert out.preempted == [d, c]
+    assert [r.request_id for r in h.sched.waiting] == ["c", "d"]
+    assert out.requests == [a, b]
+
+
+def test_sibling_starts_after_leader_prompt_and_shares_its_blocks():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
+    prompt = list(range(10))  # 2 full blocks + 2
+    leader, sib = h.add(Spec("a", prompt, 3, 0.0, num_siblings=1))
+    assert h.sched.num_waiting == 2
+    h.step()  # leader computes 6 of 10
+    assert h.result.first_scheduled == ["a"]
+    assert sib.block_ids == [] and sib.status is RequestStatus.WAITING
+    assert len(h.sched.waiting) == 0 and h.sched.num_waiting == 1  # the sibling is pending, not queued
+    h.step()  # leader finishes its prompt and samples; the sibling gets the two full blocks
+    assert leader.num_output_tokens == 1
+    assert sib.block_ids == leader.block_ids[:2]
+    assert sib.num_computed_tokens == 8
+    assert [h.pool.ref_cnt[b] for b in leader.block_ids] == [2, 2, 1]
+    out = h.sched.schedule()
+    assert out.requests == [leader, sib]
+    assert out.num_new_tokens == [1, 2]  # the sibling only computes the rest of its prompt
+    assert sib.block_ids[:2] == leader.block_ids[:2] and len(sib.block_ids) == 3
+    assert sib.block_ids[2] != leader.block_ids[2]
+    h.sched.update_from_output(out, [fake_token(leader.all_token_ids), fake_token(sib.all_token_ids)])
+    assert sib.output_token_ids == expected_output(prompt, 3)[:1]
+
+
+def test_sibling_without_prefix_caching_still_shares():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False)
+    leader, sib = h.add(Spec("a", list(range(9)), 3, 0.0, num_siblings=1))
+    h.step()
+    assert sib.block_ids == leader.block_ids[:2]
+    assert [h.pool.ref_cnt[b] for b in sib.block_ids] == [2, 2]
+    res = h.run([])
+    assert res.outputs["a"] == res.outputs["a#1"] == expected_output(list(range(9)), 3)
+
+
+def test_aborting_leader_before_prompt_releases_siblings_unshared():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=4)
+    leader, s1, s2 = h.add(Spec("a", list(range(10)), 3, 0.0, num_siblings=2))
+    h.step()
+    h.abort(leader)
+    assert s1.block_ids == [] and s2.block_ids == []
+    assert h.sched.num_waiting == 2 and "a" not in h.sched.pending_forks
+    h.check_pool()
+    res = h.run([])
+    assert res.outputs["a#1"] == res.outputs["a#2"] == expected_output(list(range(10)), 3)
+
+
+def test_aborting_a_waiting_sibling_drops_its_shared_reference():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    leader, sib = h.add(Spec("a", list(range(9)), 3, 0.0, num_siblings=1))
+    h.step()  # max_num_seqs=1 keeps the sibling waiting, holding shared blocks
+    assert sib.block_ids and all(h.pool.ref_cnt[b] == 2 for b in sib.block_ids)
+    h.abort(sib)
+    assert all(h.pool.ref_cnt[b] == 1 for b in leader.block_ids)
+    h.check_pool()
+    h.run([])
+
+
+def test_aborting_a_pending_sibling():
+    h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=2)
+    leader, sib = h.add(Spec("a", list(range(9)), 3, 0.0, num_siblings=1))
+    h.step()
+    h.abort(sib)  # still pending behind its leader
+    assert h.sched.num_waiting == 0
+    res = h.run([])
+    assert res.outputs == {"a": expected_output(list(range(9)), 3)}
+
+
+def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_no_caching():
+    """The engine only checks num_blocks * block_size >= max_model_len, and n > 1 is allowed. A sibling
+    waiting with its leader's shared prompt blocks pins them; if the leader is then preempted (prefix
+    caching off, so it can't reuse them) it can never fit again, and FCFS head-of-line blocking keeps the
+    sibling (which could run) behind it: the scheduler stalls forever with nothing running."""
+    # b: 4 + 8 tokens (3 blocks at most), a: 8 + 8 tokens (4 blocks at most), a's sibling shares 1 block
+    h = Harness(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False)
+    res = h.run([Spec("b", [1, 2, 3, 4], 8, 0.0), Spec("a", list(range(10, 18)), 8, 1.0, num_siblings=1)],
+                max_steps=300)
+    assert set(res.outputs) == {"a", "a#1", "b"}
+
+
+def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_with_caching():
+    """Same stall with prefix caching on: b's sibling pins one block of a 3-block pool while a's sibling
+    (6 + 6 tokens, 3 blocks at most) runs; it preempts itself at its 9th token and, even with its own
+    prefix still cached, can never get 3 blocks back."""
+    h = Harness(num_blocks=3, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, prefix_caching=True)
+    res = h.run([Spec("a", list(range(6)), 6, 0.0, num_siblings=1),
+                 Spec("b", [50, 51, 52, 53, 54], 1, 1.0, num_siblings=1)], max_steps=300)
+    assert set(res.outputs) == {"a", "a#1", "b", "b#1"}
+
+
+def test_predicted_policy_predicts_cost_for_siblings():
+    """A sibling that got its leader's prompt blocks is queued with num_computed_tokens > 0, so
+    PredictedLengthQueue.add skips the prediction and leaves predicted_cost at 0.0: siblings jump ahead of
+    every other request and are never the preferred preemption victim."""
+    class Fixed:
+        def predict(self, request):
+            return 50.0
+
+        def observe(self, request):
+            pass
+
+    kv = KVCacheManager(50, 4)
+    sched = Scheduler(SchedulerConfig(8, 64, True), kv, make_request_queue("predicted", Fixed()))
+    leader = make_req("a", list(range(9)), 3, 0.0)
+    sib = make_req("a#1", list(range(9)), 3, 0.0)
+    sched.add_request(leader, [sib])
+    out = sched.schedule()
+    sched.update_from_output(out, [1])
+    assert sib.num_computed_tokens == 8  # it did get the shared blocks
+    assert leader.predicted_cost == 50.0
+    assert sib.predicted_cost == 50.0
