@@ -60,8 +60,9 @@ class BlockPool:
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference each; blocks reaching zero go to the back of the free list."""
         for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise RuntimeError(f"KV block {block_id} released more often than it was taken")
             self.ref_cnt[block_id] -= 1
-            assert self.ref_cnt[block_id] >= 0, f"block {block_id} released twice"
             if self.ref_cnt[block_id] == 0:
                 self._free[block_id] = None
 

@@ -79,14 +79,12 @@ class KVCacheManager:
             request.block_ids.extend(self.pool.allocate(num_new_blocks))
         return True
 
-    def share_prefix(self, child: Request, parent: Request) -> None:
-        """Give `child` (same prompt, nothing computed) the parent's full prompt blocks by reference."""
+    def shareable_prefix(self, child: Request, parent: Request) -> list[int]:
+        """The parent's computed full blocks that `child` (same prompt) can take by reference, leaving
+        the last prompt token to compute. Pass them to `allocate_slots` as computed blocks."""
         num_blocks = (child.num_tokens - 1) // self.block_size
         num_blocks = min(num_blocks, parent.num_computed_tokens // self.block_size, len(parent.block_ids))
-        shared = parent.block_ids[:num_blocks]
-        self.pool.touch(shared)
-        child.block_ids = list(shared)
-        child.num_computed_tokens = num_blocks * self.block_size
+        return parent.block_ids[:num_blocks]
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Publish the request's full, computed blocks to the prefix cache."""

@@ -45,6 +45,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     predicted_cost: float = 0.0
+    fork_source: Request | None = None  # an n>1 sibling whose prompt blocks this request may share
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -160,7 +160,7 @@ class PredictedLengthQueue(HeapQueue):
         return (request.predicted_cost + self.aging_rate * request.arrival_time, request.arrival_time)
 
     def add(self, request: Request) -> None:
-        if request.num_computed_tokens == 0 and request.num_preemptions == 0:
+        if request.num_preemptions == 0:
             request.predicted_cost = self.predictor.predict(request)
         super().add(request)
 

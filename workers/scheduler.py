@@ -100,7 +100,7 @@ class Scheduler:
         bs = self.kv_cache.block_size
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            computed = [] if req.block_ids else self.kv_cache.get_computed_blocks(req)
+            computed = [] if req.block_ids else (self._sibling_blocks(req) or self.kv_cache.get_computed_blocks(req))
             num_computed = req.num_computed_tokens + len(computed) * bs
             num_new = req.num_tokens - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -109,6 +109,7 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(req, num_new, computed):
                 break
             self.waiting.pop()
+            req.fork_source = None
             self.kv_cache.record_prefix_query(req, len(computed) * bs)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_computed
@@ -117,6 +118,14 @@ class Scheduler:
             self.running.append(req)
             scheduled[req] = num_new
             budget -= num_new
+
+    def _sibling_blocks(self, req: Request) -> list[int]:
+        """Blocks of the live leader whose prompt this sibling shares; taken only on admission, so a
+        waiting sibling never pins blocks."""
+        src = req.fork_source
+        if src is None or src.status is not RequestStatus.RUNNING:
+            return []
+        return self.kv_cache.shareable_prefix(req, src)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -145,8 +154,7 @@ class Scheduler:
 
     def _release_siblings(self, leader: Request, share: bool) -> None:
         for sib in self.pending_forks.pop(leader.request_id, []):
-            if share:
-                self.kv_cache.share_prefix(sib, leader)
+            sib.fork_source = leader if share else None
             self.waiting.add(sib)
 
     def finish_requests(self, requests: list[Request], status: RequestStatus) -> None:

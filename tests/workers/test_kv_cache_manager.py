@@ -153,44 +153,42 @@ def test_partially_computed_blocks_are_not_published():
     assert kv.get_computed_blocks(b) == a.block_ids[:2]
 
 
-def test_share_prefix_gives_child_parent_full_prompt_blocks():
+def test_shareable_prefix_gives_child_parent_full_prompt_blocks():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(10))  # 2 full blocks + 2
     parent = make_req("p", prompt)
     compute(kv, parent, 10)
     child = make_req("c", prompt)
-    kv.share_prefix(child, parent)
-    assert child.block_ids == parent.block_ids[:2]
-    assert child.num_computed_tokens == 8
+    shared = kv.shareable_prefix(child, parent)
+    assert shared == parent.block_ids[:2]
+    assert [kv.pool.ref_cnt[b] for b in parent.block_ids] == [1, 1, 1]  # nothing taken until allocated
+    assert kv.allocate_slots(child, 2, shared)
     assert [kv.pool.ref_cnt[b] for b in parent.block_ids] == [2, 2, 1]
-    assert kv.allocate_slots(child, 2)
-    assert len(child.block_ids) == 3 and child.block_ids[2] != parent.block_ids[2]
+    assert len(child.block_ids) == 3 and child.block_ids[:2] == shared and child.block_ids[2] != parent.block_ids[2]
     kv.free(parent)
     assert [kv.pool.ref_cnt[b] for b in child.block_ids] == [1, 1, 1]
     kv.free(child)
     assert kv.pool.num_free_blocks == 10
 
 
-def test_share_prefix_leaves_last_token_to_compute():
+def test_shareable_prefix_leaves_last_token_to_compute():
     kv = KVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(8))  # exactly 2 blocks: the second holds the last token
     parent = make_req("p", prompt)
     compute(kv, parent, 8)
     child = make_req("c", prompt)
-    kv.share_prefix(child, parent)
-    assert child.block_ids == parent.block_ids[:1]
-    assert child.num_computed_tokens == 4
-    assert kv.pool.ref_cnt[parent.block_ids[0]] == 2 and kv.pool.ref_cnt[parent.block_ids[1]] == 1
+    assert kv.shareable_prefix(child, parent) == parent.block_ids[:1]
 
 
-def test_share_prefix_works_without_prefix_caching():
+def test_shareable_prefix_works_without_prefix_caching():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
     parent = make_req("p", list(range(9)))
     compute(kv, parent, 9)
     child = make_req("c", list(range(9)))
-    kv.share_prefix(child, parent)
-    assert child.block_ids == parent.block_ids[:2]
-    assert [kv.pool.ref_cnt[b] for b in child.block_ids] == [2, 2]
+    shared = kv.shareable_prefix(child, parent)
+    assert shared == parent.block_ids[:2]
+    assert kv.allocate_slots(child, 1, shared)
+    assert [kv.pool.ref_cnt[b] for b in child.block_ids[:2]] == [2, 2]
 
 
 def test_prefix_caching_disabled_returns_no_hits():

@@ -55,7 +55,6 @@ class Result:
     first_scheduled: list[str] = field(default_factory=list)
     num_preemptions: int = 0
     steps: int = 0
-    sibling_first_shared: dict[str, int] = field(default_factory=dict)
 
 
 class Harness:
@@ -108,7 +107,6 @@ class Harness:
         assert all(self.pool.ref_cnt[b] == 0 for b in free), "a referenced block sits in the free list"
         assert len(free) == sum(1 for b in range(self.num_blocks) if self.pool.ref_cnt[b] == 0)
         assert self.pool.num_free_blocks == len(free)
-        # every cached block really holds what its key says (checked against the simulated KV)
         for h, b in self.pool._cached.items():
             assert self.pool._block_hash[b] == h
         for r in self.sched.running:
@@ -153,7 +151,6 @@ class Harness:
                     leader = self.leader_of[r.request_id]
                     assert leader.num_computed_tokens >= leader.num_prompt_tokens or leader.status.finished \
                         or leader.request_id in self.result.aborted or leader.num_preemptions > 0
-                    self.result.sibling_first_shared.setdefault(r.request_id, r.num_computed_tokens)
             if not self.chunked:
                 # no chunking: a (re)start computes everything it owes at once
                 assert r.num_computed_tokens + n == r.num_tokens, f"{r.request_id} was chunked"
@@ -237,11 +234,11 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 @st.composite
 def scenarios(draw, *, siblings: bool = False, with_aborts: bool = True):
     block_size = draw(st.sampled_from([1, 2, 4]))
-    prefixes = [draw(st.lists(st.integers(0, 3), min_size=0, max_size=12)) for _ in range(2)]
+    prefixes = [draw(st.lists(st.integers(0, 3), min_size=1, max_size=12)) for _ in range(2)]
     n = draw(st.integers(1, 7))
     specs = []
     for i in range(n):
-        shared = draw(st.sampled_from([[], *prefixes]))
+        shared = draw(st.sampled_from([[], prefixes[0], prefixes[0], prefixes[1]]))
         tail = draw(st.lists(st.integers(0, 3), min_size=0 if shared else 1, max_size=10))
         prompt = (shared + tail) or [0]
         specs.append(Spec(f"r{i}", prompt, draw(st.integers(1, 8)), float(draw(st.integers(0, 20))) + i / 100,
@@ -307,10 +304,6 @@ def test_fcfs_without_preemption_schedules_in_arrival_order(scenario, chunked):
 @given(scenarios(siblings=True))
 def test_random_workloads_with_siblings(scenario):
     cfg, specs, aborts = scenario
-    # waiting siblings pin their shared prompt blocks; give the pool room for them (see the dedicated
-    # test below for what happens when it has none)
-    extra = sum(s.num_siblings * cdiv(len(s.prompt), cfg["block_size"]) for s in specs)
-    cfg = dict(cfg, num_blocks=cfg["num_blocks"] + extra)
     res = Harness(**cfg).run(specs, aborts)
     for s in specs:
         for rid in [s.rid] + [f"{s.rid}#{k}" for k in range(1, s.num_siblings + 1)]:
@@ -386,6 +379,21 @@ def test_fcfs_preempts_the_newest_and_requeues_it_first():
     assert out.requests == [a, b]
 
 
+def test_preempting_an_already_scheduled_victim_refunds_its_budget():
+    h = Harness(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=6, policy="priority",
+                prefix_caching=False)
+    low, = h.add(Spec("low", [1, 2, 3, 4], 10, 0.0, priority=5))
+    h.step()
+    hi, = h.add(Spec("hi", [5, 6, 7, 8], 10, 1.0))
+    big, = h.add(Spec("big", list(range(100, 140)), 10, 2.0))
+    h.step()
+    assert h.sched.running == [low, hi, big]
+    out = h.sched.schedule()  # hi needs a 2nd block: low (scheduled first, ranked last) is preempted
+    assert out.preempted == [low]
+    assert out.requests == [hi, big]
+    assert out.num_new_tokens == [1, 5]  # low's token went back into the budget, and big got it
+
+
 def test_sibling_starts_after_leader_prompt_and_shares_its_blocks():
     h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
     prompt = list(range(10))  # 2 full blocks + 2
@@ -395,14 +403,14 @@ def test_sibling_starts_after_leader_prompt_and_shares_its_blocks():
     assert h.result.first_scheduled == ["a"]
     assert sib.block_ids == [] and sib.status is RequestStatus.WAITING
     assert len(h.sched.waiting) == 0 and h.sched.num_waiting == 1  # the sibling is pending, not queued
-    h.step()  # leader finishes its prompt and samples; the sibling gets the two full blocks
+    h.step()  # leader finishes its prompt and samples; the sibling is queued, pinning nothing yet
     assert leader.num_output_tokens == 1
-    assert sib.block_ids == leader.block_ids[:2]
-    assert sib.num_computed_tokens == 8
-    assert [h.pool.ref_cnt[b] for b in leader.block_ids] == [2, 2, 1]
-    out = h.sched.schedule()
+    assert sib.block_ids == [] and sib.fork_source is leader
+    out = h.sched.schedule()  # admission takes the leader's two full blocks by reference
     assert out.requests == [leader, sib]
     assert out.num_new_tokens == [1, 2]  # the sibling only computes the rest of its prompt
+    assert sib.num_computed_tokens == 8
+    assert [h.pool.ref_cnt[b] for b in leader.block_ids] == [2, 2, 1]
     assert sib.block_ids[:2] == leader.block_ids[:2] and len(sib.block_ids) == 3
     assert sib.block_ids[2] != leader.block_ids[2]
     h.sched.update_from_output(out, [fake_token(leader.all_token_ids), fake_token(sib.all_token_ids)])
@@ -413,8 +421,9 @@ def test_sibling_without_prefix_caching_still_shares():
     h = Harness(num_blocks=50, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False)
     leader, sib = h.add(Spec("a", list(range(9)), 3, 0.0, num_siblings=1))
     h.step()
-    assert sib.block_ids == leader.block_ids[:2]
-    assert [h.pool.ref_cnt[b] for b in sib.block_ids] == [2, 2]
+    h.step()
+    assert sib.block_ids[:2] == leader.block_ids[:2]
+    assert [h.pool.ref_cnt[b] for b in sib.block_ids[:2]] == [2, 2]
     res = h.run([])
     assert res.outputs["a"] == res.outputs["a#1"] == expected_output(list(range(9)), 3)
 
@@ -431,11 +440,12 @@ def test_aborting_leader_before_prompt_releases_siblings_unshared():
     assert res.outputs["a#1"] == res.outputs["a#2"] == expected_output(list(range(10)), 3)
 
 
-def test_aborting_a_waiting_sibling_drops_its_shared_reference():
+def test_waiting_sibling_pins_no_blocks_and_can_be_aborted():
     h = Harness(num_blocks=50, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
     leader, sib = h.add(Spec("a", list(range(9)), 3, 0.0, num_siblings=1))
-    h.step()  # max_num_seqs=1 keeps the sibling waiting, holding shared blocks
-    assert sib.block_ids and all(h.pool.ref_cnt[b] == 2 for b in sib.block_ids)
+    h.step()  # max_num_seqs=1 keeps the sibling waiting; it takes shared blocks only when admitted
+    assert sib.block_ids == [] and sib.fork_source is leader
+    assert all(h.pool.ref_cnt[b] == 1 for b in leader.block_ids)
     h.abort(sib)
     assert all(h.pool.ref_cnt[b] == 1 for b in leader.block_ids)
     h.check_pool()
@@ -453,10 +463,9 @@ def test_aborting_a_pending_sibling():
 
 
 def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_no_caching():
-    """The engine only checks num_blocks * block_size >= max_model_len, and n > 1 is allowed. A sibling
-    waiting with its leader's shared prompt blocks pins them; if the leader is then preempted (prefix
-    caching off, so it can't reuse them) it can never fit again, and FCFS head-of-line blocking keeps the
-    sibling (which could run) behind it: the scheduler stalls forever with nothing running."""
+    """The engine only checks num_blocks * block_size >= max_model_len, and n > 1 is allowed. A waiting
+    sibling that pinned its leader's prompt blocks would leave a preempted leader unable to fit again
+    behind FCFS head-of-line blocking: nothing running, a stall. Siblings take blocks only on admission."""
     # b: 4 + 8 tokens (3 blocks at most), a: 8 + 8 tokens (4 blocks at most), a's sibling shares 1 block
     h = Harness(num_blocks=4, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, prefix_caching=False)
     res = h.run([Spec("b", [1, 2, 3, 4], 8, 0.0), Spec("a", list(range(10, 18)), 8, 1.0, num_siblings=1)],
@@ -465,9 +474,9 @@ def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_no_caching():
 
 
 def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_with_caching():
-    """Same stall with prefix caching on: b's sibling pins one block of a 3-block pool while a's sibling
-    (6 + 6 tokens, 3 blocks at most) runs; it preempts itself at its 9th token and, even with its own
-    prefix still cached, can never get 3 blocks back."""
+    """The same stall with prefix caching on: were b's waiting sibling to pin one block of a 3-block
+    pool, a's sibling (6 + 6 tokens, 3 blocks at most) could never get 3 blocks back after preempting
+    itself."""
     h = Harness(num_blocks=3, block_size=4, max_num_seqs=1, max_num_batched_tokens=64, prefix_caching=True)
     res = h.run([Spec("a", list(range(6)), 6, 0.0, num_siblings=1),
                  Spec("b", [50, 51, 52, 53, 54], 1, 1.0, num_siblings=1)], max_steps=300)
@@ -475,9 +484,8 @@ def test_sibling_pinned_blocks_do_not_deadlock_a_minimal_pool_with_caching():
 
 
 def test_predicted_policy_predicts_cost_for_siblings():
-    """A sibling that got its leader's prompt blocks is queued with num_computed_tokens > 0, so
-    PredictedLengthQueue.add skips the prediction and leaves predicted_cost at 0.0: siblings jump ahead of
-    every other request and are never the preferred preemption victim."""
+    """Siblings get a predicted cost like every other request; with 0.0 they would jump ahead of
+    everyone and never be the preferred preemption victim."""
     class Fixed:
         def predict(self, request):
             return 50.0
@@ -492,6 +500,6 @@ def test_predicted_policy_predicts_cost_for_siblings():
     sched.add_request(leader, [sib])
     out = sched.schedule()
     sched.update_from_output(out, [1])
-    assert sib.num_computed_tokens == 8  # it did get the shared blocks
+    assert sib.fork_source is leader  # queued to share the leader's blocks
     assert leader.predicted_cost == 50.0
     assert sib.predicted_cost == 50.0
