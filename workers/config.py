@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from workers.request_queue import SchedulingPolicy
 
@@ -61,7 +61,3 @@ class EngineConfig:
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose one of {options}") from None
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

@@ -22,9 +22,6 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestOutput:

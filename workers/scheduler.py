@@ -32,9 +32,6 @@ class SchedulerOutput:
     def total_num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def __len__(self) -> int:
-        return len(self.requests)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, waiting: RequestQueue) -> None:
