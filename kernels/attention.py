@@ -8,6 +8,7 @@ head_dim]` per layer. GPU backends register here and import their libraries lazi
 from __future__ import annotations
 
 import importlib
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class AttentionBackend(ABC):
 
 _REGISTRY: dict[str, str] = {
     "torch": "kernels.cpu_attention:TorchPagedAttention",
+    "cpp": "kernels.cpp_attention:CppPagedAttention",
 }
 
 
@@ -63,8 +65,13 @@ def available_backends() -> list[str]:
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """`auto` is the compiled CPU kernel when it builds here, else the pure-torch backend."""
     if name == "auto":
-        name = "torch"
+        try:
+            return get_attention_backend("cpp", device)
+        except Exception as e:  # no compiler or ninja: the torch path computes the same thing
+            warnings.warn(f"compiled CPU attention unavailable ({e}); using the torch backend", stacklevel=2)
+            name = "torch"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
     module, cls = _REGISTRY[name].split(":")

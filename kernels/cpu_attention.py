@@ -35,6 +35,7 @@ class TorchPagedAttention(AttentionBackend):
             nb = int((ctx.max() + block_size - 1) // block_size)
             key_pos = torch.arange(nb * block_size)
             extra["dec_tokens"] = starts[idx]
+            extra["dec_context_lens"] = ctx
             extra["dec_tables"] = block_tables[idx, :nb].contiguous()
             extra["dec_mask"] = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
 
@@ -66,11 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(query)
         if "dec_tokens" in x:
             tok = x["dec_tokens"]
-            q = query[tok].view(-1, kvh, g, d)
-            k = _gather_kv(k_cache, x["dec_tables"])
-            v = _gather_kv(v_cache, x["dec_tables"])
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=x["dec_mask"], scale=scale)
-            out[tok] = o.reshape(-1, h, d)
+            out[tok] = self.decode(query[tok], k_cache, v_cache, x, scale)
         if "chunk_tokens" in x:
             tok = x["chunk_tokens"]
             bp, max_q = tok.shape
@@ -81,3 +78,12 @@ class TorchPagedAttention(AttentionBackend):
             o = o.view(bp, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(bp, max_q, h, d)
             out[x["chunk_valid_tokens"]] = o[x["chunk_valid"]]
         return out
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, x: dict, scale: float) -> torch.Tensor:
+        """Attention for single-token queries `q` ([decodes, heads, head_dim])."""
+        b, h, d = q.shape
+        g = x["group"]
+        k = _gather_kv(k_cache, x["dec_tables"])
+        v = _gather_kv(v_cache, x["dec_tables"])
+        o = F.scaled_dot_product_attention(q.view(b, h // g, g, d), k, v, attn_mask=x["dec_mask"], scale=scale)
+        return o.reshape(b, h, d)

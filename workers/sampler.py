@@ -35,14 +35,15 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SampleOutput:
-    """`logits`: float32 [rows, vocab]; one `params` and optional seeded generator per row."""
+    """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
+    logprobs run in float32 on the rows that need them); one `params` and optional generator per row."""
     greedy_tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens
     if random_rows:
         idx = torch.tensor(random_rows)
         sub = [params[i] for i in random_rows]
-        x = logits[idx] / torch.tensor([p.temperature for p in sub])[:, None]
+        x = logits[idx].float() / torch.tensor([p.temperature for p in sub])[:, None]
         top_k = torch.tensor([p.top_k for p in sub])
         top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float)
         if bool((top_k > 0).any() or (top_p < 1).any()):
@@ -60,7 +61,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         idx = torch.tensor(want)
-        lp = logits[idx].log_softmax(-1)
+        lp = logits[idx].float().log_softmax(-1)
         chosen = tokens[idx]
         chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
         ranks = (lp > chosen_lp[:, None]).sum(-1) + 1

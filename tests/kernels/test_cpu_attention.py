@@ -24,9 +24,12 @@ def dense_reference(q, k, v, q_len, ctx):
     return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
 
 
-def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0):
+BACKENDS = ["torch", "cpp"]
+
+
+def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0, backend="torch"):
     gen = torch.Generator().manual_seed(seed)
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend)
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, non-contiguous blocks
@@ -57,22 +60,25 @@ def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=4
     return out, torch.cat(expected)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_mixed_batch_matches_dense(block_size, dtype):
-    out, expected = run_case(block_size, dtype, BATCH)
+def test_mixed_batch_matches_dense(block_size, dtype, backend):
+    out, expected = run_case(block_size, dtype, BATCH, backend=backend)
     assert out.dtype == dtype and out.shape == expected.shape
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("batch", [[(1, 17)] * 4, [(9, 9), (16, 31)]], ids=["decode-only", "chunks-only"])
-def test_single_group_batches(batch):
-    out, expected = run_case(16, torch.float32, batch)
+def test_single_group_batches(batch, backend):
+    out, expected = run_case(16, torch.float32, batch, backend=backend)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_multi_query_attention():
-    out, expected = run_case(16, torch.float32, BATCH, heads=8, kv_heads=1)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_query_attention(backend):
+    out, expected = run_case(16, torch.float32, BATCH, heads=8, kv_heads=1, backend=backend)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -88,6 +94,7 @@ def test_write_kv_fills_slots():
 
 
 def test_registry():
-    assert "torch" in available_backends()
+    assert {"torch", "cpp"} <= set(available_backends())
+    assert get_attention_backend("auto").name == "cpp"  # builds on every machine of ours
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("nope")

@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits for the rows in `logits_indices` only."""
+        """Returns logits (in the model's dtype) for the rows in `logits_indices` only."""
         x = F.embedding(input_ids, self.embed_tokens)
         half = self.cos_table.shape[-1] // 2
         cos = self.cos_table[positions, :half].unsqueeze(1)
@@ -139,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, attn, meta)
         x = rms_norm(x[logits_indices], self.norm, self.args.rms_norm_eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return F.linear(x, head)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if any are missing."""
