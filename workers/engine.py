@@ -83,7 +83,7 @@ class Engine:
         torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)
-        weight_files(path)
+        files = weight_files(path)
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         self.dtype = resolve_dtype(config.dtype)
@@ -94,7 +94,7 @@ class Engine:
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len}); lower max_model_len or raise the budget")
-        self.model = load_model(path, hf_config, self.dtype, self.max_model_len)
+        self.model = load_model(files, hf_config, self.dtype, self.max_model_len)
         block_bytes = ModelRunner.kv_bytes_per_block(self.model.args, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // block_bytes
         if num_blocks * config.block_size < self.max_model_len:

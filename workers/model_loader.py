@@ -100,10 +100,10 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
-def load_model(path: str, config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def load_model(files: list[str], config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+    """Build the model from `weight_files(path)` (validated by the caller before slower set-up)."""
     from safetensors import safe_open
 
-    files = weight_files(path)
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
