@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvrelay generate $(ARGS)
+	$(VENV)/bin/kvrelay serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)

@@ -9,6 +9,7 @@ the build is unavailable."""
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 
 import torch
@@ -16,13 +17,26 @@ import torch
 from kernels.cpu_attention import TorchPagedAttention
 
 _SOURCE = Path(__file__).with_name("csrc_paged_decode.cpp")
+_NAME = "kvrelay_paged_decode"
+# torch's loader takes a lock file for every load and waits forever if a process died holding it (for
+# example a server stopped during its first start). A build takes well under this; older locks are dead.
+_STALE_LOCK_S = 300
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 @functools.cache
 def load_extension():
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    return load(name="kvrelay_paged_decode", sources=[str(_SOURCE)], verbose=False,
+    _remove_stale_lock(Path(_get_build_directory(_NAME, verbose=False)) / "lock")
+    return load(name=_NAME, sources=[str(_SOURCE)], verbose=False,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"], extra_ldflags=["-fopenmp"])
 
 

@@ -48,11 +48,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     burst.add_argument("--model", default=None, help="HF model folder (default: engine default)")
     burst.add_argument("--dtype", default="bfloat16")
     burst.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    over = sub.add_parser("overhead", help="engine in-process vs kvrelay serve over HTTP, same run")
+    over.add_argument("--workloads", type=_csv, default=["burst", "poisson"], help="burst and/or poisson")
+    over.add_argument("--cap", type=int, default=64, choices=BURST_CAPS, help="burst: max output length")
+    over.add_argument("--qps", type=float, default=4.0, help="poisson: request rate")
+    over.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    over.add_argument("--model", default=None, help="HF model folder (default: engine default)")
+    over.add_argument("--dtype", default="bfloat16")
+    over.add_argument("--out", type=Path, default=Path("results"), help="output folder")
     args = parser.parse_args(argv)
-    unknown = set(args.systems) - set(SYSTEMS)
+    unknown = set(getattr(args, "systems", ())) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
     return args
+
+
+def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
+    """Each workload through the engine in-process, then through one `kvrelay serve`; print ratios."""
+    from loadtest.overhead import LocalServer, engine_side, server_side
+    from loadtest.workloads import poisson_requests
+
+    builders = {"burst": lambda: burst_requests(tokenizer, args.cap), "poisson": lambda: poisson_requests(tokenizer, args.qps)}
+    workloads = {name: builders[name]()[: args.num_requests or None] for name in args.workloads}
+    engine_options = {"model": args.model, "dtype": args.dtype}
+    payload: dict[str, Any] = {"workload": "overhead", "parameters": {**vars(args), "out": str(args.out)},
+                               "git_commit": git_commit(), "loadavg_start": loadavg(), "results": []}
+    payload["parameters"]["workloads"] = list(workloads)
+    out_path = args.out / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    rows = []
+    for name, requests in workloads.items():
+        print(f"engine in-process: {name}", file=sys.stderr)
+        rows.append({"system": "engine", "workload": name, "stream": None, **engine_side(requests, engine_options)})
+    with LocalServer(engine_options) as url:
+        for name, requests in workloads.items():
+            for stream in ((False, True) if name == "burst" else (True,)):
+                print(f"kvrelay serve: {name} stream={stream}", file=sys.stderr)
+                rows.append({"system": "server", "workload": name, "stream": stream, **server_side(url, requests, stream)})
+    payload["results"] = rows
+    payload["loadavg_end"] = loadavg()
+    write_json(out_path, payload)
+    print(format_overhead(rows))
+    print(f"wrote {out_path}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def format_overhead(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | system | stream | output tok/s | vs engine | TTFT p50 ms | TTFT p95 ms | ITL p95 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    engine = {r["workload"]: r for r in rows if r["system"] == "engine"}
+    for r in rows:
+        base = engine[r["workload"]]
+        ratio = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
+        stream = "" if r["stream"] is None else ("yes" if r["stream"] else "no")
+        lines.append(f"| {r['workload']} | {r['system']} | {stream} | {r['output_throughput']:.1f} | {ratio:.3f} | "
+                     f"{r['median_ttft_ms']:.1f} | {r['p95_ttft_ms']:.1f} | {r['p95_itl_ms']:.1f} | {r['failed']} |")
+    return "\n".join(lines)
 
 
 def run_system(name: str, args: argparse.Namespace, requests: list[BenchRequest],
@@ -87,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(os.cpu_count() or 1)
+    if args.workload == "overhead":
+        return run_overhead(args, AutoTokenizer.from_pretrained(args.model))
     requests = burst_requests(AutoTokenizer.from_pretrained(args.model), args.cap)
     requests = requests[: args.num_requests] if args.num_requests else requests
     params = {

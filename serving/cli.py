@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
+import threading
 import time
+import typing
 
 from workers.config import EngineConfig
 
@@ -47,6 +50,49 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_app_options(parser: argparse.ArgumentParser) -> None:
+    """Serving, replica and autoscaling options, generated from `AppConfig`'s fields."""
+    from serving.app_config import AppConfig
+
+    for name, f in AppConfig.model_fields.items():
+        if name == "engine":
+            continue
+        kinds = [t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)]
+        kind = kinds[0] if kinds and kinds[0] in (int, float) else str
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default, help=f.description)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serving.app_config import AppConfig, parse_app_args
+
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    options.update({name: getattr(args, name) for name in AppConfig.model_fields if name != "engine"})
+    parse_app_args(options)  # fail fast, before Ray starts
+    from serving.ray_cluster import init_ray, wait_until_healthy
+
+    init_ray()
+    import ray
+    from ray import serve
+
+    from serving.app import build_app
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    url = f"http://{args.host}:{args.port}"
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(options), name="kvrelay", route_prefix="/", blocking=False)
+        wait_until_healthy(url)
+        print(f"kvrelay is ready: {url}/v1 (OpenAI API), {url}/metrics, {url}/health. Ctrl-C stops it.", flush=True)
+        stop.wait()
+        print("shutting down", file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvrelay", description="LLM serving with continuous batching on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP on Ray Serve")
+    add_engine_options(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_app_options(srv)
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -7,6 +7,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 
+from serving.chat import chat_prompt_ids
 from workers.config import EngineConfig
 from workers.engine import Engine, OutputKind
 from workers.outputs import RequestOutput
@@ -83,14 +84,4 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        if not conversation:
-            raise ValueError("messages must not be empty")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        if self.tokenizer.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt)

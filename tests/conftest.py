@@ -4,6 +4,7 @@ same tokenizer, and corpus prompts of chosen lengths."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,42 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=eos_token_id, pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()
+
+
+# ---- a real Ray cluster and Ray Serve on 127.0.0.1 for the server tests (tests/serving) ----------------
+# One cluster for the whole session; each test module deploys the app it needs under its own route
+# prefix (`deploy_app`), so differently configured apps run side by side.
+
+@pytest.fixture(scope="session")
+def serve_url():
+    os.environ.pop("RAY_ADDRESS", None)
+    from serving.ray_cluster import init_ray
+    from serving_helpers import free_port
+
+    temp_dir = init_ray(num_cpus=4)
+    import ray
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def deploy_app(serve_url):
+    from ray import serve
+
+    from serving.app import build_app
+    from serving.ray_cluster import wait_until_healthy
+
+    def deploy(name: str, **options) -> str:
+        options.setdefault("kv_cache_memory", "256MiB")
+        serve.run(build_app(options), name=name, route_prefix=f"/{name}", blocking=False)
+        url = f"{serve_url}/{name}"
+        wait_until_healthy(url, timeout_s=300)
+        return url
+
+    return deploy

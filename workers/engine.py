@@ -44,6 +44,7 @@ class EngineStats:
     prefix_cache_hits: int
     computed_tokens: int
     finished: dict[str, int]
+    num_pending_tokens: int = 0  # prompt (or recompute) tokens not yet computed: the prefill backlog
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +68,7 @@ class _Group:
     seqs: list[_Sequence]
     output_kind: OutputKind
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     counted_prompt: bool = False
     metrics: dict = field(default_factory=dict)
@@ -182,6 +184,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -189,6 +194,11 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
+        started = time.monotonic()
+        for req in sched.requests:
+            group = self._seq_of[req.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = started
         result = self.runner.execute(sched)
         self._computed_tokens += sched.total_num_tokens
         sampled = self.scheduler.update_from_output(sched, result.token_ids)
@@ -218,8 +228,8 @@ class Engine:
         outputs = []
         for group in touched.values():
             if group.finished:
-                group.metrics = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
-                                 "finished_time": now}
+                group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
+                                 "first_token_time": group.first_token_time, "finished_time": now}
                 self._groups.pop(group.request_id, None)
             if group.finished or group.output_kind is not OutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(group))
@@ -292,4 +302,5 @@ class Engine:
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             computed_tokens=self._computed_tokens,
             finished=dict(self._finished),
+            num_pending_tokens=sum(s.request.num_tokens - s.request.num_computed_tokens for _, s in self._seq_of.values()),
         )

@@ -1,0 +1,230 @@
+"""The Ray Serve application: an OpenAI-compatible FastAPI ingress in front of engine replicas.
+
+`build_app(args)` is the entry point for `serve run serving.app:build_app key=value ...`, for
+`deploy/serve_config.yaml` and for `kvrelay serve`."""
+
+
+import asyncio
+import hmac
+import logging
+import os
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from router.registry import replica_ids
+from serving.app_config import AppConfig, parse_app_args
+from serving.chat import chat_prompt_ids
+from serving.engine_client import EngineClient, EngineError, RequestStream, call
+from serving.errors import OpenAIError, from_validation_error, install_error_handlers
+from serving.metrics import merge_expositions
+from serving.openai_format import ResponseView, sse_response
+from serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from workers.messages import GenerateRequest, ModelInfo
+from workers.model_loader import load_tokenizer, resolve_model_path
+from workers.sampling_params import SamplingParams
+
+WORKER_DEPLOYMENT = "EngineWorker"
+logger = logging.getLogger("ray.serve")
+
+app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+install_error_handlers(app)
+
+
+async def _awaitable(response):
+    return await response
+
+
+def _default_model_name(model_path: str) -> str:
+    return os.path.basename(os.path.normpath(model_path))
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, worker: DeploymentHandle, config: dict) -> None:
+        self.config = AppConfig(**config)
+        self.model_path = resolve_model_path(self.config.engine.model)
+        self.model_name = self.config.served_model_name or _default_model_name(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.worker = worker
+        self.engine = EngineClient(worker)
+        self._info: ModelInfo | None = None
+        self._api_key = self.config.api_key or os.environ.get("KVRELAY_API_KEY") or None
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    async def _model_info(self, timeout: float | None = None) -> ModelInfo:
+        if self._info is None:
+            try:
+                self._info = await asyncio.wait_for(_awaitable(call(self.worker.model_info)), timeout)
+            except asyncio.TimeoutError:
+                raise OpenAIError(503, "no engine replica is ready yet") from None
+        return self._info
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise OpenAIError(401, "invalid API key", code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type):
+        self._authorize(request)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise OpenAIError(415, f"content type must be application/json, got {ctype or 'none'!r}",
+                              code="unsupported_media_type")
+        limit = self.config.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, f"request body of {int(declared):,} bytes exceeds the limit of {limit:,} bytes",
+                              code="request_too_large")
+        body = await request.body()
+        if len(body) > limit:
+            raise OpenAIError(413, f"request body of {len(body):,} bytes exceeds the limit of {limit:,} bytes",
+                              code="request_too_large")
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+        if parsed.model != self.model_name:
+            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+        return parsed
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, info: ModelInfo) -> None:
+        if not ids:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        if any(t < 0 or t >= info.vocab_size for t in ids):
+            raise OpenAIError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
+        if len(ids) >= info.max_model_len:
+            raise OpenAIError(400, f"this model's maximum context length is {info.max_model_len:,} tokens; "
+                                   f"the prompt has {len(ids):,} tokens", param="prompt", code="context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > info.max_model_len:
+            raise OpenAIError(400, f"this model's maximum context length is {info.max_model_len:,} tokens; you "
+                                   f"requested {len(ids) + max_tokens:,} tokens ({len(ids):,} in the prompt, "
+                                   f"{max_tokens:,} for the completion)", param="max_tokens",
+                              code="context_length_exceeded")
+
+    @staticmethod
+    def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                logprobs=logprobs, min_tokens=body.min_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      priority: int) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.submit(GenerateRequest(rid, ids, params, priority)))
+        except EngineError as e:
+            for s in streams:
+                s.close()
+            raise OpenAIError(e.status, e.message, e.type) from None
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    # ---- routes --------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        await self._model_info(timeout=5.0)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> ModelList:
+        self._authorize(request)
+        info = await self._model_info()
+        return ModelList(data=[ModelCard(id=self.model_name, root=info.model_path, max_model_len=info.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        ids = replica_ids(WORKER_DEPLOYMENT)
+        calls = [call(self.worker.metrics_text, replica_id=rid) for rid in ids] or [call(self.worker.metrics_text)]
+        results = await asyncio.gather(*(asyncio.wait_for(_awaitable(c), 10.0) for c in calls), return_exceptions=True)
+        texts = [r[1] for r in results if isinstance(r, tuple)]
+        for r in results:
+            if not isinstance(r, tuple):
+                logger.warning("could not scrape an engine replica: %r", r)
+        return Response(merge_expositions(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
+        info = await self._model_info()
+        prompts = self._completion_prompts(body.prompt)
+        for ids in prompts:
+            self._check_prompt(ids, body.max_tokens, info)
+        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, prompts, params, body.priority)
+        view = ResponseView(request_id, self.model_name, body.n, [len(p) for p in prompts], chat=False, logprobs=body.logprobs)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return sse_response(view.stream(streams, include_usage))
+        return JSONResponse((await view.collect(streams)).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        body = await self._parse(request, ChatCompletionRequest)
+        info = await self._model_info()
+        conversation = [m.model_dump(exclude_none=True) for m in body.messages]
+        for m in conversation:
+            m.setdefault("content", "")
+        try:
+            ids = chat_prompt_ids(self.tokenizer, conversation)
+        except Exception as e:
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        self._check_prompt(ids, max_tokens, info)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._sampling_params(body, max_tokens, k)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, [ids], params, body.priority)
+        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return sse_response(view.stream(streams, include_usage))
+        return JSONResponse((await view.collect(streams)).model_dump())
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in items]
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The Serve application for `serve run serving.app:build_app model=... max_num_seqs=64 ...`:
+    engine options by their `EngineConfig` names, serving options by their `AppConfig` names."""
+    config = parse_app_args(args or {})
+    from workers.deployment import worker_deployment
+
+    worker = worker_deployment().options(**config.worker_deployment_options()).bind(
+        asdict(config.engine), config.max_waiting_requests)
+    return OpenAIIngress.bind(worker, config.model_dump(mode="python"))

@@ -1,0 +1,175 @@
+"""The ingress side of the streaming protocol in `workers/deployment.py`.
+
+`EngineClient.generate` sends one request and yields its per-step deltas. The deltas of all requests on
+one replica arrive on a single subscriber stream per replica and are fanned out here to per-request
+queues. A replica that dies ends its requests with `EngineError`, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+
+from ray.serve import context as serve_context
+from ray.serve.handle import DeploymentHandle
+
+from workers.messages import Accepted, GenerateRequest, Rejected, StepBatch
+from workers.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def call(method, *args, **kwargs):
+    """`method.remote(*args, **kwargs)` with its own internal request id. Serve's router hands a chosen
+    replica to the pending call with the matching internal id, and every call made while serving one HTTP
+    request inherits that request's id, so concurrent calls from one handler would be mismatched (pinned
+    calls then spin forever)."""
+    def remote():
+        serve_context._set_request_context(_internal_request_id=uuid.uuid4().hex)
+        return method.remote(*args, **kwargs)
+
+    return contextvars.copy_context().run(remote)
+
+
+class EngineError(Exception):
+    """A request could not be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503, type: str = "service_unavailable") -> None:
+        super().__init__(message)
+        self.message, self.status, self.type = message, status, type
+
+
+class _Subscription:
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.requests: set[str] = set()
+        self.task: asyncio.Task | None = None
+
+
+class RequestStream:
+    """Async iterator over one request's deltas. `close()` before the end aborts the request."""
+
+    def __init__(self, client: EngineClient, request_id: str, queue: asyncio.Queue, stream, sub: _Subscription,
+                 watcher: asyncio.Task) -> None:
+        self.request_id = request_id
+        self._client, self._queue, self._stream, self._sub, self._watcher = client, queue, stream, sub, watcher
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, EngineError):
+            self.close()
+            raise item
+        if item.finished:
+            self.finished = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._client._queues.pop(self.request_id, None)
+        self._sub.requests.discard(self.request_id)
+        self._watcher.cancel()
+        if not self.finished:
+            self._stream.cancel()
+
+
+class EngineClient:
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle.options(stream=True)
+        self.subscriber_id = uuid.uuid4().hex
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._subscriptions: dict[str, _Subscription] = {}
+
+    async def submit(self, request: GenerateRequest) -> RequestStream:
+        """Send one request; returns once a replica has accepted it. Raises `EngineError` if it is refused
+        (queue full: 429) or no replica can take it."""
+        rid = request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        stream = call(self._handle.generate, self.subscriber_id, request)
+        try:
+            first = await stream.__anext__()
+        except BaseException as e:
+            self._queues.pop(rid, None)
+            stream.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise EngineError(f"the engine replica failed before accepting the request: {_describe(e)}") from e
+        if not isinstance(first, Accepted):
+            self._queues.pop(rid, None)
+            if isinstance(first, Rejected):
+                raise EngineError(first.message, first.status, first.type)
+            raise EngineError(f"unexpected first message from the engine replica: {first!r}", 500, "internal_error")
+        sub = self._subscribe(first.replica_id)
+        sub.requests.add(rid)
+        watcher = asyncio.create_task(self._watch(stream, queue))
+        return RequestStream(self, rid, queue, stream, sub, watcher)
+
+    async def _watch(self, stream, queue: asyncio.Queue) -> None:
+        """The generate stream stays open until the request ends; if it fails, the replica is gone."""
+        try:
+            async for _ in stream:
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            queue.put_nowait(EngineError(f"the engine replica serving this request failed: {_describe(e)}"))
+
+    def _subscribe(self, replica_id: str) -> _Subscription:
+        sub = self._subscriptions.get(replica_id)
+        if sub is None:
+            sub = self._subscriptions[replica_id] = _Subscription(replica_id)
+            sub.task = asyncio.create_task(self._pump(sub))
+        return sub
+
+    async def _pump(self, sub: _Subscription) -> None:
+        stream = call(self._handle.subscribe, self.subscriber_id, replica_id=sub.replica_id)
+        error: Exception | None = None
+        try:
+            async for batch in stream:
+                if isinstance(batch, StepBatch):
+                    self._fan_out(batch)
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        except Exception as e:
+            error = e
+            logger.warning("subscriber stream to replica %s ended: %s", sub.replica_id, _describe(e))
+        finally:
+            if self._subscriptions.get(sub.replica_id) is sub:
+                del self._subscriptions[sub.replica_id]
+        message = f"lost the stream from engine replica {sub.replica_id}: {_describe(error) if error else 'closed'}"
+        for rid in list(sub.requests):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(EngineError(message))
+
+    def _fan_out(self, batch: StepBatch) -> None:
+        for out in batch.outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for rid, message in batch.errors.items():
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(EngineError(message, 400, "invalid_request_error"))
+
+    async def close(self) -> None:
+        for sub in list(self._subscriptions.values()):
+            if sub.task is not None:
+                sub.task.cancel()
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"

@@ -1,0 +1,52 @@
+"""Starting or joining Ray for `kvrelay serve` and the tests, with the settings this project needs.
+
+Set before Ray is imported: no usage stats, no token auth (Ray 2.60 turns it on by default and later
+runs then need the token), and for a local cluster, loopback only. A local cluster gets a short temp
+dir (Ray's socket paths must stay under 108 characters) and no dashboard (the largest start-up cost)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+
+def prepare_ray_env(local: bool) -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if local:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
+    """Join `address` (or `RAY_ADDRESS`) if given, else start a private local cluster. Returns the temp
+    dir of a local cluster (None when joining)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    prepare_ray_env(local=address is None)
+    import ray
+
+    if address is not None:
+        ray.init(address=address)
+        return None
+    temp_dir = tempfile.mkdtemp(prefix="kvr", dir="/tmp")
+    ray.init(include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus or os.cpu_count(),
+             log_to_driver=False, configure_logging=False)
+    return temp_dir
+
+
+def wait_until_healthy(url: str, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+    """Poll `url/health` until it answers 200 (Serve's proxy answers 404 until the app is up)."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | str = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError) as e:
+            last = e
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s (last: {last})")

@@ -1,0 +1,99 @@
+"""Request models refuse what the OpenAI API refuses, with a usable message; errors render OpenAI-style."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from serving.app_config import AppConfig, parse_app_args
+from serving.errors import from_validation_error
+from serving.metrics import merge_expositions
+from serving.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def parse(model, body: dict):
+    return model.model_validate_json(json.dumps(body))
+
+
+def error_for(model, body) -> dict:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    with pytest.raises(ValidationError) as e:
+        model.model_validate_json(raw)
+    err = from_validation_error(e.value)
+    assert err.status == 400
+    return err.body().model_dump()["error"]
+
+
+def test_valid_requests_parse():
+    r = parse(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "temperature": 0, "n": 2, "stop": "x"})
+    assert r.prompt == [[1, 2], [3]] and r.temperature == 0.0 and r.max_tokens == 16
+    c = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "logprobs": True, "top_logprobs": 3, "stream": True,
+                                      "stream_options": {"include_usage": True}})
+    assert c.max_tokens is None and c.top_logprobs == 3 and c.stream_options.include_usage
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "n": True}, "n"),
+    ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
+])
+def test_bad_values_name_the_field(body, param):
+    err = error_for(CompletionRequest, body)
+    assert err["param"].startswith(param) and param in err["message"]
+
+
+def test_unknown_field_and_missing_field_and_bad_json():
+    err = error_for(CompletionRequest, {"model": "m", "prompt": "x", "best_of_three": 1})
+    assert err["code"] == "unknown_parameter" and "best_of_three" in err["message"]
+    err = error_for(CompletionRequest, {"model": "m"})
+    assert err["code"] == "missing_required_parameter" and err["param"] == "prompt"
+    err = error_for(CompletionRequest, '{"model": ')
+    assert err["code"] == "invalid_json"
+
+
+def test_chat_rules():
+    assert "messages" in error_for(ChatCompletionRequest, {"model": "m", "messages": []})["param"]
+    err = error_for(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})
+    assert "logprobs" in err["message"]
+    err = error_for(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                            "stream_options": {"include_usage": True}})
+    assert "stream" in err["message"]
+
+
+def test_app_args_from_strings():
+    cfg = parse_app_args({"max_num_seqs": "64", "enable_prefix_caching": "false", "max_replicas": "3",
+                          "api_key": "k", "num_kv_blocks": "none"})
+    assert cfg.engine.max_num_seqs == 64 and cfg.engine.enable_prefix_caching is False
+    assert cfg.engine.num_kv_blocks is None and cfg.api_key == "k"
+    opts = cfg.worker_deployment_options()
+    assert opts["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in opts
+    assert AppConfig(num_replicas=2).worker_deployment_options()["num_replicas"] == 2
+    with pytest.raises(ValueError, match="unknown option.*max_num_seq"):
+        parse_app_args({"max_num_seq": "64"})
+    with pytest.raises(ValueError, match="max_replicas"):
+        parse_app_args({"min_replicas": "3", "max_replicas": "2"})
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        parse_app_args({"scheduling_policy": "random"})
+
+
+def test_merge_expositions_keeps_one_header_per_family():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    texts = []
+    for replica, value in (("a", 3), ("b", 4)):
+        reg = CollectorRegistry()
+        Counter("kvrelay:generation_tokens", "doc", ["replica"], registry=reg).labels(replica).inc(value)
+        texts.append(generate_latest(reg))
+    merged = merge_expositions(texts).decode()
+    assert merged.count("# TYPE kvrelay:generation_tokens_total counter") == 1
+    samples = {s.labels["replica"]: s.value for f in text_string_to_metric_families(merged) for s in f.samples
+               if s.name == "kvrelay:generation_tokens_total"}
+    assert samples == {"a": 3.0, "b": 4.0}

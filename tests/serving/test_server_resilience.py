@@ -1,0 +1,128 @@
+"""Overload, replica failure and autoscaling, each on its own small app in the shared Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import pytest
+import ray
+from serving_helpers import http, metric_sum, scrape
+from ray import serve
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, float]:
+    start = time.monotonic()
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(), time.monotonic() - start
+
+
+def test_queue_full_refuses_fast(deploy_app):
+    url = deploy_app("queue", max_waiting_requests=4, max_num_seqs=4)
+    body = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+
+    async def burst():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(_post(session, url, body) for _ in range(64)))
+
+    results = asyncio.run(burst())
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] in (429, 503)]
+    assert len(ok) + len(refused) == 64
+    assert len(ok) >= 4 and len(refused) >= 32
+    assert all(r[1]["usage"]["completion_tokens"] == 32 for r in ok)
+    assert all(r[1]["error"]["type"] and "waiting" in r[1]["error"]["message"] for r in refused)
+    slowest_ok = max(r[2] for r in ok)
+    assert max(r[2] for r in refused) < slowest_ok  # refusals do not wait for the work in front of them
+    m = scrape(url)
+    assert metric_sum(m, "kvrelay:kv_cache_usage_perc") == 0
+
+
+def _replica_actors(app: str, deployment: str) -> list:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::") and f"{app}#{deployment}#" in a["name"]]
+    return [ray.get_actor(n, namespace="serve") for n in names]
+
+
+def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app):
+    url = deploy_app("kill")
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    async def stream_until_error(i: int, started: asyncio.Event) -> str:
+        try:
+            stream = await client.completions.create(model=MODEL, prompt=f"Tale {i}:", max_tokens=1000,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            async for _ in stream:
+                started.set()
+        except openai.APIError as e:
+            return f"error: {e}"
+        return "finished"
+
+    async def run():
+        started = asyncio.Event()
+        tasks = [asyncio.create_task(stream_until_error(i, started)) for i in range(4)]
+        await asyncio.wait_for(started.wait(), 60)
+        await asyncio.sleep(0.5)
+        actors = _replica_actors("kill", "EngineWorker")
+        assert len(actors) == 1
+        ray.kill(actors[0], no_restart=True)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # no hang
+
+    outcomes = asyncio.run(run())
+    assert all(o.startswith("error") for o in outcomes), outcomes
+    deadline = time.monotonic() + 180
+    while True:
+        status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=30)
+        if status == 200:
+            assert body["usage"]["completion_tokens"] == 3
+            break
+        assert status in (500, 503), body
+        assert time.monotonic() < deadline, f"no recovery: {status} {body}"
+        time.sleep(1)
+
+
+def test_autoscaling_adds_a_replica_that_serves(deploy_app):
+    url = deploy_app("scale", min_replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1,
+                     look_back_period_s=2, metrics_interval_s=0.5, downscale_delay_s=600)
+
+    def replicas_running() -> int:
+        dep = serve.status().applications["scale"].deployments["EngineWorker"]
+        return dep.replica_states.get("RUNNING", 0)
+
+    assert replicas_running() == 1
+    body = {"model": MODEL, "prompt": "Write a long essay about rivers.", "max_tokens": 64, "ignore_eos": True}
+
+    async def sustained_load():
+        async with aiohttp.ClientSession() as session:
+            pending: set[asyncio.Task] = set()
+            deadline = time.monotonic() + 240
+            while replicas_running() < 2:
+                assert time.monotonic() < deadline, "did not scale up"
+                while len(pending) < 8:
+                    pending.add(asyncio.create_task(_post(session, url, body)))
+                done, pending = await asyncio.wait(pending, timeout=1.0)
+                assert all(t.result()[0] == 200 for t in done)
+            # both replicas take the next burst
+            more = [asyncio.create_task(_post(session, url, body)) for _ in range(8)]
+            results = await asyncio.gather(*pending, *more)
+            assert all(r[0] == 200 for r in results)
+
+    asyncio.run(sustained_load())
+    assert replicas_running() == 2
+    m = scrape(url)
+    per_replica = {dict(lbls)["replica"]: v for (name, lbls), v in m.items() if name == "kvrelay:generation_tokens_total"}
+    assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), per_replica
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cleanup_apps():
+    yield
+    for app in ("queue", "kill", "scale"):
+        try:
+            serve.delete(app)
+        except Exception:
+            pass

@@ -1,0 +1,53 @@
+"""Helpers of the server tests: raw HTTP calls and parsed `/metrics`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,
+         timeout: float = 120) -> tuple[int, dict | str]:
+    """A raw HTTP call (no client-side validation): status and parsed JSON (or text)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    hdrs = {"Content-Type": "application/json"} if isinstance(body, dict) else {}
+    hdrs.update(headers or {})
+    req = urllib.request.Request(url, data=data, headers=hdrs, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """`/metrics` parsed with prometheus_client: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def metric_sum(samples: dict, name: str, **labels) -> float:
+    """Sum of a sample over replicas (and any labels not given)."""
+    return sum(v for (n, lbls), v in samples.items()
+               if n == name and all(dict(lbls).get(k) == val for k, val in labels.items()))

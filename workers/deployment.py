@@ -1,0 +1,174 @@
+"""The engine replica: a Ray Serve deployment that owns one engine and runs its loop in a thread.
+
+Streaming protocol (see docs/architecture.md for the measured reasons):
+- `generate(subscriber_id, request)` is an async generator per request. It yields one `Accepted` (or one
+  `Rejected`) and then stays open until the request finishes; cancelling it aborts the request, so a
+  client that goes away frees its KV blocks, and Serve counts it as one ongoing request (autoscaling).
+- `subscribe(subscriber_id)` is one long-lived stream per ingress replica. Every engine step yields at
+  most one `StepBatch` with the new tokens of all that ingress's requests, so the cost of a Serve message
+  is paid per step, not per token per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from workers.config import EngineConfig
+from workers.engine import Engine, EngineStats
+from workers.engine_loop import EngineLoop
+from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, StepBatch
+from workers.metrics import EngineMetrics
+from workers.outputs import RequestOutput
+
+
+@dataclass(slots=True, eq=False)
+class _Subscriber:
+    pending: StepBatch = field(default_factory=StepBatch)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    subscriber_id: str
+    done: asyncio.Future
+
+
+class EngineWorker:
+    def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None) -> None:
+        if isinstance(engine_config, dict) or engine_config is None:
+            engine_config = EngineConfig(**(engine_config or {}))
+        if max_waiting_requests is not None and max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (unit tests)
+            self.replica_id = "local"
+        self.max_waiting_requests = max_waiting_requests
+        self.engine = Engine(engine_config)
+        self.metrics = EngineMetrics(self.replica_id)
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._in_flight: dict[str, _InFlight] = {}
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self.loop = EngineLoop(self.engine, self._on_step)
+        self.loop.start()
+
+    # ---- called by the ingress -----------------------------------------------------------------
+
+    async def generate(self, subscriber_id: str, request: GenerateRequest):
+        self._aio = asyncio.get_running_loop()
+        rid = request.request_id
+        waiting = self.loop.num_waiting
+        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+            yield Rejected(429, f"the server is busy: {waiting} requests are already waiting on replica "
+                                f"{self.replica_id} (max_waiting_requests={self.max_waiting_requests}); retry later",
+                           "server_overloaded")
+            return
+        if rid in self._in_flight:
+            yield Rejected(400, f"request id {rid!r} is already in use")
+            return
+        done = self._aio.create_future()
+        self._in_flight[rid] = _InFlight(subscriber_id, done)
+        self._subscribers.setdefault(subscriber_id, _Subscriber())
+        self.loop.add(request)
+        try:
+            yield Accepted(self.replica_id)
+            await done
+        finally:
+            if self._in_flight.pop(rid, None) is not None:  # still running: the caller went away
+                self.loop.abort(rid)
+                self.metrics.forget(rid)
+
+    async def subscribe(self, subscriber_id: str, replica_id: str | None = None):
+        """Per-step output batches for one ingress replica. `replica_id` pins the call to this replica
+        (read by `router.request_router.KVRelayRequestRouter`)."""
+        self._aio = asyncio.get_running_loop()
+        sub = self._subscribers.setdefault(subscriber_id, _Subscriber())
+        try:
+            yield self.replica_id
+            while True:
+                await sub.event.wait()
+                sub.event.clear()
+                batch, sub.pending = sub.pending, StepBatch()
+                if batch.outputs or batch.errors:
+                    yield batch
+        finally:
+            if self._subscribers.get(subscriber_id) is sub:
+                del self._subscribers[subscriber_id]
+
+    def model_info(self) -> ModelInfo:
+        e = self.engine
+        return ModelInfo(e.model_path, e.max_model_len, e.vocab_size, e.config.block_size, str(e.dtype))
+
+    def metrics_text(self, replica_id: str | None = None) -> tuple[str, bytes]:
+        """This replica's Prometheus exposition (`replica_id` pins the call, as for `subscribe`)."""
+        return self.replica_id, self.metrics.render()
+
+    def load(self, replica_id: str | None = None) -> dict:
+        return self.record_routing_stats()
+
+    def record_routing_stats(self) -> dict:
+        """Pulled by Serve every `request_routing_stats_period_s`; read by the request router."""
+        s = self.loop.stats
+        return {"pending_tokens": s.num_pending_tokens, "kv_cache_usage": s.kv_cache_usage,
+                "num_waiting": self.loop.num_waiting, "num_running": s.num_running}
+
+    def check_health(self) -> None:
+        if not self.loop.is_alive():
+            raise RuntimeError("the engine loop thread has stopped")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+
+    # ---- engine thread -> event loop -----------------------------------------------------------
+
+    def _on_step(self, outputs: list[RequestOutput], errors: dict[str, str], stats: EngineStats) -> None:
+        """Runs on the engine thread once per step: metrics here, delivery on the replica's event loop."""
+        self.metrics.observe_step(stats, outputs, time.monotonic())
+        if (outputs or errors) and self._aio is not None:
+            self._aio.call_soon_threadsafe(self._dispatch, outputs, errors)
+
+    def _dispatch(self, outputs: list[RequestOutput], errors: dict[str, str]) -> None:
+        touched: set[int] = set()
+        subs: list[_Subscriber] = []
+
+        def deliver(rid: str) -> StepBatch | None:
+            entry = self._in_flight.get(rid)
+            sub = self._subscribers.get(entry.subscriber_id) if entry is not None else None
+            if sub is None:
+                return None
+            if id(sub) not in touched:
+                touched.add(id(sub))
+                subs.append(sub)
+            return sub.pending
+
+        for out in outputs:
+            batch = deliver(out.request_id)
+            if batch is not None:
+                batch.outputs.append(out)
+            if out.finished:
+                self._resolve(out.request_id)
+        for rid, message in errors.items():
+            batch = deliver(rid)
+            if batch is not None:
+                batch.errors[rid] = message
+            self._resolve(rid)
+        for sub in subs:
+            sub.event.set()
+
+    def _resolve(self, request_id: str) -> None:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is not None and not entry.done.done():
+            entry.done.set_result(None)
+
+
+def worker_deployment():
+    """The Serve deployment of `EngineWorker` with our defaults (no CPU reservation: the engine sets its
+    own thread count; many ongoing requests per replica: each is one sequence, not one forward pass)."""
+    return serve.deployment(EngineWorker, name="EngineWorker", ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=1024, health_check_period_s=5, graceful_shutdown_timeout_s=5)

@@ -1,0 +1,102 @@
+"""The continuous-batching loop: one thread owns the engine and steps it while there is work.
+
+Other threads never touch the engine. They hand requests and aborts to an inbox that the loop drains
+between steps, and receive each step's outputs (and engine errors) through one `publish` call per step,
+so the cost of crossing threads is paid per step, not per token."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from workers.engine import Engine, EngineStats, OutputKind
+from workers.messages import GenerateRequest
+from workers.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+Publish = Callable[[list[RequestOutput], dict[str, str], EngineStats], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, publish: Publish) -> None:
+        self.engine = engine
+        self._publish = publish
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[GenerateRequest] = []
+        self._aborts: list[str] = []
+        self._stopped = False
+        self.stats: EngineStats = engine.get_stats()
+        self._queued = 0  # requests in the inbox, not yet in the engine
+        self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled: in the inbox or in the scheduler's queue (read live; a
+        deque's length is safe to read from another thread)."""
+        return self._queued + len(self.engine.scheduler.waiting)
+
+    def add(self, request: GenerateRequest) -> None:
+        with self._lock:
+            self._adds.append(request)
+            self._queued += 1
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def _drain_inbox(self) -> dict[str, str]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        errors: dict[str, str] = {}
+        for req in adds:
+            try:
+                self.engine.add_request(req.request_id, None, req.params, prompt_token_ids=req.prompt_token_ids,
+                                        priority=req.priority, output_kind=OutputKind.DELTA)
+            except ValueError as e:
+                errors[req.request_id] = str(e)
+            finally:
+                with self._lock:
+                    self._queued -= 1
+        if aborts:
+            self.engine.abort_request(aborts)
+        return errors
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.engine.config.num_threads)  # per thread in torch; Ray's OMP_NUM_THREADS is ignored
+        while not self._stopped:
+            errors = self._drain_inbox()
+            outputs: list[RequestOutput] = []
+            if self.engine.has_unfinished_requests():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug or an OOM: fail what is in flight, keep the replica alive
+                    logger.exception("engine step failed")
+                    ids = self.engine.unfinished_request_ids()
+                    self.engine.abort_request(ids)
+                    errors.update({rid: f"engine step failed: {e}" for rid in ids})
+            self.stats = self.engine.get_stats()
+            if outputs or errors:
+                self._publish(outputs, errors, self.stats)
+            elif not self.engine.has_unfinished_requests():
+                self._publish([], {}, self.stats)
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()

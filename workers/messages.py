@@ -1,0 +1,55 @@
+"""Typed messages between the ingress and the engine replicas (all picklable, all small)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.outputs import RequestOutput
+from workers.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One prompt to generate for; `n > 1` completions travel inside `params`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Accepted:
+    """First message of a generate stream: the replica queued the request and will publish its outputs
+    on the subscriber stream it shares with this ingress."""
+
+    replica_id: str
+
+
+@dataclass(slots=True)
+class Rejected:
+    """First (and only) message of a generate stream the replica refused, with the HTTP status to answer."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything one engine step produced for one subscriber: deltas of its requests, and the requests
+    that failed inside the engine (id -> message)."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the ingress needs to validate and tokenize before it sends a request."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    dtype: str

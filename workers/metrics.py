@@ -1,0 +1,89 @@
+"""Prometheus metrics of one engine replica, named like vLLM's with a `kvrelay:` prefix and a `replica` label.
+
+Each replica keeps its own registry; the ingress scrapes every replica and merges the families
+(`serving/metrics.py`). Updated from the engine thread once per step, never per token."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from workers.engine import EngineStats
+from workers.outputs import RequestOutput
+
+disable_created_metrics()  # no `_created` series: they double the exposition and nobody reads them
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineMetrics:
+    """Gauges and counters follow `EngineStats`; histograms follow the per-step outputs."""
+
+    def __init__(self, replica: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, ["replica"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvrelay:{name}", doc, labels, registry=r).labels(replica)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvrelay:{name}", doc, labels, registry=r).labels(replica)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"kvrelay:{name}", doc, labels, buckets=buckets, registry=r).labels(replica)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled (or rescheduled).")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (to be recomputed) for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("kvrelay:request_success", "Finished sequences by finish reason (stop, length, abort).",
+                                ["replica", "finished_reason"], registry=r)
+        self._replica = replica
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival at the replica to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between successive tokens of a sequence.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the replica to the last token.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY_BUCKETS)
+        self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
+        self._last_token_time: dict[str, float] = {}
+
+    def observe_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+        last = self._last
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
+        self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
+        self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        for reason, count in stats.finished.items():
+            delta = count - last.finished.get(reason, 0)
+            if delta:
+                self._success.labels(self._replica, reason).inc(delta)
+        self._last = stats
+        for out in outputs:
+            if not any(c.token_ids for c in out.outputs):
+                continue
+            prev = self._last_token_time.get(out.request_id)
+            if prev is not None:
+                self.itl.observe(now - prev)
+            self._last_token_time[out.request_id] = now
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                m = out.metrics
+                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+                self.e2e.observe(m["finished_time"] - m["arrival_time"])
+                if m.get("first_scheduled_time") is not None:
+                    self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state of an aborted request."""
+        self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
