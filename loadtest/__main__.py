@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     over.add_argument("--model", default=None, help="HF model folder (default: engine default)")
     over.add_argument("--dtype", default="bfloat16")
     over.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    lp = sub.add_parser("long-prompt", help="long-prompt workload: colocated vs disaggregated kvrelay serve")
+    lp.add_argument("--configs", type=_csv, default=None, help="subset of loadtest.long_prompt.CONFIGS labels")
+    lp.add_argument("--transports", type=_csv, default=["object_store", "gloo"], help="for the transfer table")
+    lp.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    lp.add_argument("--model", default=None, help="HF model folder (default: engine default)")
+    lp.add_argument("--out", type=Path, default=Path("results"), help="output folder")
     args = parser.parse_args(argv)
     unknown = set(getattr(args, "systems", ())) - set(SYSTEMS)
     if unknown:
@@ -65,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
     """Each workload through the engine in-process, then through one `kvrelay serve`; print ratios."""
-    from loadtest.overhead import LocalServer, engine_side, server_side
+    from loadtest.overhead import LocalCluster, engine_side, server_side
     from loadtest.workloads import poisson_requests
 
     builders = {"burst": lambda: burst_requests(tokenizer, args.cap), "poisson": lambda: poisson_requests(tokenizer, args.qps)}
@@ -79,7 +85,8 @@ def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
     for name, requests in workloads.items():
         print(f"engine in-process: {name}", file=sys.stderr)
         rows.append({"system": "engine", "workload": name, "stream": None, **engine_side(requests, engine_options)})
-    with LocalServer(engine_options) as url:
+    with LocalCluster() as cluster:
+        url = cluster.deploy("kvrelay", engine_options)
         for name, requests in workloads.items():
             for stream in ((False, True) if name == "burst" else (True,)):
                 print(f"kvrelay serve: {name} stream={stream}", file=sys.stderr)
@@ -90,6 +97,22 @@ def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
     print(format_overhead(rows))
     print(f"wrote {out_path}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def run_long_prompt(args: argparse.Namespace, tokenizer: Any) -> int:
+    """`long-prompt` colocated (chunked off, budget 256, 512) and disaggregated, plus KV transfer MB/s."""
+    from loadtest import long_prompt
+    from loadtest.workloads import corpus_tokens
+
+    payload: dict[str, Any] = {"workload": "long-prompt", "parameters": {**vars(args), "out": str(args.out)},
+                               "git_commit": git_commit(), "loadavg_start": loadavg()}
+    payload.update(long_prompt.run(tokenizer, corpus_tokens(tokenizer), args.transports, args.configs, args.num_requests))
+    payload["loadavg_end"] = loadavg()
+    out_path = args.out / f"long-prompt-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    write_json(out_path, payload)
+    print(long_prompt.format_tables(payload))
+    print(f"wrote {out_path}")
+    return 0 if all(r["failed"] == 0 for r in payload["long_prompt"]) else 1
 
 
 def format_overhead(rows: list[dict[str, Any]]) -> str:
@@ -139,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(os.cpu_count() or 1)
     if args.workload == "overhead":
         return run_overhead(args, AutoTokenizer.from_pretrained(args.model))
+    if args.workload == "long-prompt":
+        return run_long_prompt(args, AutoTokenizer.from_pretrained(args.model))
     requests = burst_requests(AutoTokenizer.from_pretrained(args.model), args.cap)
     requests = requests[: args.num_requests] if args.num_requests else requests
     params = {

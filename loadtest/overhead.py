@@ -75,32 +75,41 @@ def engine_side(requests: Sequence[BenchRequest], engine_options: dict) -> dict:
     return summarize(results, duration)
 
 
-class LocalServer:
-    """`kvrelay serve` in this process's own local Ray cluster, on a free port."""
+class LocalCluster:
+    """A private local Ray cluster with Serve on a free port; `deploy` runs `kvrelay serve`'s app."""
 
-    def __init__(self, engine_options: dict) -> None:
-        self.engine_options = engine_options
-
-    def __enter__(self) -> str:
+    def __enter__(self) -> LocalCluster:
         import socket
 
-        from serving.ray_cluster import init_ray, wait_until_healthy
+        from serving.ray_cluster import init_ray
 
         os.environ.pop("RAY_ADDRESS", None)
         init_ray()
         from ray import serve
 
-        from serving.app import build_app
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({**self.engine_options, "served_model_name": MODEL_NAME}), name="kvrelay",
-                  route_prefix="/", blocking=False)
-        self.url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(self.url)
-        return self.url
+        self.base_url = f"http://127.0.0.1:{port}"
+        return self
+
+    def deploy(self, name: str, options: dict) -> str:
+        from ray import serve
+
+        from serving.app import build_app
+        from serving.ray_cluster import wait_until_healthy
+
+        serve.run(build_app({**options, "served_model_name": MODEL_NAME}), name=name, route_prefix=f"/{name}",
+                  blocking=False)
+        url = f"{self.base_url}/{name}"
+        wait_until_healthy(url)
+        return url
+
+    def delete(self, name: str) -> None:
+        from ray import serve
+
+        serve.delete(name)
 
     def __exit__(self, *exc) -> None:
         import ray

@@ -85,5 +85,5 @@ def format_table(results: list[RunResult]) -> str:
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` as indented JSON, creating parent folders."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
     return path

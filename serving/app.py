@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from router.disaggregated import DisaggregatedClient
 from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
 from serving.chat import chat_prompt_ids
@@ -31,6 +32,8 @@ from workers.model_loader import load_tokenizer, resolve_model_path
 from workers.sampling_params import SamplingParams
 
 WORKER_DEPLOYMENT = "EngineWorker"
+PREFILL_DEPLOYMENT = "PrefillWorker"
+DECODE_DEPLOYMENT = "DecodeWorker"
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
@@ -48,13 +51,17 @@ def _default_model_name(model_path: str) -> str:
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, worker: DeploymentHandle, config: dict) -> None:
+    def __init__(self, worker: DeploymentHandle, config: dict, prefill: DeploymentHandle | None = None) -> None:
         self.config = AppConfig(**config)
         self.model_path = resolve_model_path(self.config.engine.model)
         self.model_name = self.config.served_model_name or _default_model_name(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.worker = worker
         self.engine = EngineClient(worker)
+        self.workers = {WORKER_DEPLOYMENT: worker}
+        if prefill is not None:
+            self.engine = DisaggregatedClient(EngineClient(prefill), self.engine, prefill)
+            self.workers = {PREFILL_DEPLOYMENT: prefill, DECODE_DEPLOYMENT: worker}
         self._info: ModelInfo | None = None
         self._api_key = self.config.api_key or os.environ.get("KVRELAY_API_KEY") or None
 
@@ -159,8 +166,10 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        ids = replica_ids(WORKER_DEPLOYMENT)
-        calls = [call(self.worker.metrics_text, replica_id=rid) for rid in ids] or [call(self.worker.metrics_text)]
+        calls = []
+        for name, handle in self.workers.items():
+            ids = replica_ids(name)
+            calls += [call(handle.metrics_text, replica_id=rid) for rid in ids] or [call(handle.metrics_text)]
         results = await asyncio.gather(*(asyncio.wait_for(_awaitable(c), 10.0) for c in calls), return_exceptions=True)
         texts = [r[1] for r in results if isinstance(r, tuple)]
         for r in results:
@@ -225,6 +234,13 @@ def build_app(args: dict[str, Any] | None = None):
     config = parse_app_args(args or {})
     from workers.deployment import worker_deployment
 
-    worker = worker_deployment().options(**config.worker_deployment_options()).bind(
-        asdict(config.engine), config.max_waiting_requests)
-    return OpenAIIngress.bind(worker, config.model_dump(mode="python"))
+    if not config.disaggregate:
+        worker = worker_deployment(WORKER_DEPLOYMENT).options(**config.worker_deployment_options()).bind(
+            asdict(config.engine), config.max_waiting_requests)
+        return OpenAIIngress.bind(worker, config.model_dump(mode="python"))
+    pools = {}
+    for pool, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
+        pools[pool] = worker_deployment(name).options(**config.pool_deployment_options(pool)).bind(
+            asdict(config.pool_engine(pool)), config.max_waiting_requests, pool, config.kv_transport, config.kv_lease_s,
+            config.kv_fetch_delay_s)
+    return OpenAIIngress.bind(pools["decode"], config.model_dump(mode="python"), pools["prefill"])

@@ -4,6 +4,7 @@ autoscaling options, from `serve run` key=value strings, a YAML config or the `k
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -30,6 +31,19 @@ class AppConfig(BaseModel):
     max_ongoing_requests: int = Field(1024, ge=1, description="Per replica: Serve's cap on in-flight requests.")
     max_request_body_bytes: int = Field(8 << 20, ge=1, description="Larger request bodies get HTTP 413.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
+    disaggregate: bool = Field(False, description="Run separate prefill and decode pools that hand off KV blocks.")
+    prefill_replicas: int = Field(1, ge=1, description="Disaggregated: prefill replicas (autoscaling lower bound).")
+    decode_replicas: int = Field(1, ge=1, description="Disaggregated: decode replicas (autoscaling lower bound).")
+    prefill_max_replicas: int | None = Field(None, ge=1, description="Disaggregated: autoscale prefill up to this.")
+    decode_max_replicas: int | None = Field(None, ge=1, description="Disaggregated: autoscale decode up to this.")
+    prefill_engine: dict[str, Any] = Field(default_factory=dict, description="Disaggregated: engine options of the "
+                                           "prefill pool on top of the shared ones (JSON), e.g. a larger token budget.")
+    decode_engine: dict[str, Any] = Field(default_factory=dict, description="Disaggregated: engine options of the "
+                                          "decode pool on top of the shared ones (JSON), e.g. a larger max_num_seqs.")
+    kv_transport: str = Field("auto", description="Disaggregated: auto, object_store, gloo or nccl.")
+    kv_lease_s: float = Field(30.0, gt=0, description="Disaggregated: a prefill replica frees unclaimed KV after this.")
+    kv_fetch_delay_s: float = Field(0.0, ge=0, description="Fault injection for tests: decode replicas wait this "
+                                    "long before fetching KV.")
 
     @model_validator(mode="after")
     def _check_bounds(self):
@@ -38,6 +52,33 @@ class AppConfig(BaseModel):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
         return self
+
+    @model_validator(mode="after")
+    def _check_pools(self):
+        if not self.disaggregate:
+            return self
+        prefill, decode = self.pool_engine("prefill"), self.pool_engine("decode")
+        diffs = [f"{name} {getattr(prefill, name)!r} vs {getattr(decode, name)!r}"
+                 for name in ("model", "dtype", "block_size") if getattr(prefill, name) != getattr(decode, name)]
+        if diffs:
+            raise ValueError("the prefill and decode pools must agree to hand off KV blocks; they differ in "
+                             + ", ".join(diffs))
+        return self
+
+    def pool_engine(self, pool: str) -> EngineConfig:
+        """The engine options of one pool of a disaggregated app: the shared ones plus its overrides."""
+        overrides = self.prefill_engine if pool == "prefill" else self.decode_engine
+        unknown = sorted(set(overrides) - _ENGINE_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown {pool}_engine option(s): {', '.join(unknown)}")
+        return TypeAdapter(EngineConfig).validate_python({**dataclasses.asdict(self.engine), **overrides})
+
+    def pool_deployment_options(self, pool: str) -> dict[str, Any]:
+        low = self.prefill_replicas if pool == "prefill" else self.decode_replicas
+        high = (self.prefill_max_replicas if pool == "prefill" else self.decode_max_replicas) or low
+        scaled = self.model_copy(update={"num_replicas": None if high > low else low, "min_replicas": low,
+                                         "max_replicas": max(low, high), "initial_replicas": None})
+        return scaled.worker_deployment_options()
 
     @property
     def autoscaling(self) -> bool:
@@ -80,10 +121,15 @@ def parse_app_args(args: dict[str, Any]) -> AppConfig:
     engine_args = {k: _none(v) for k, v in args.items() if k in _ENGINE_FIELDS}
     try:
         engine = TypeAdapter(EngineConfig).validate_python(engine_args) if engine_args else args.get("engine", EngineConfig())
-        serving_args = {k: _none(v) for k, v in args.items() if k in AppConfig.model_fields and k != "engine"}
+        serving_args = {k: _json(_none(v)) if k in ("prefill_engine", "decode_engine") else _none(v)
+                        for k, v in args.items() if k in AppConfig.model_fields and k != "engine"}
         return AppConfig(engine=engine, **serving_args)
     except Exception as e:
         raise ValueError(f"invalid application options: {e}") from None
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else (value or {})
 
 
 def _none(value: Any) -> Any:

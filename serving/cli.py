@@ -57,16 +57,22 @@ def add_app_options(parser: argparse.ArgumentParser) -> None:
     for name, f in AppConfig.model_fields.items():
         if name == "engine":
             continue
+        flag = "--" + name.replace("_", "-")
         kinds = [t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)]
+        if kinds == [bool]:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.description)
+            continue
         kind = kinds[0] if kinds and kinds[0] in (int, float) else str
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=f.default, help=f.description)
+        default = None if f.default_factory is not None else f.default
+        parser.add_argument(flag, type=kind, default=default, help=f.description)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from serving.app_config import AppConfig, parse_app_args
 
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    options.update({name: getattr(args, name) for name in AppConfig.model_fields if name != "engine"})
+    options.update({name: getattr(args, name) for name in AppConfig.model_fields
+                    if name != "engine" and getattr(args, name) is not None})
     parse_app_args(options)  # fail fast, before Ray starts
     from serving.ray_cluster import init_ray, wait_until_healthy
 

@@ -10,6 +10,8 @@ import asyncio
 import contextvars
 import logging
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
@@ -40,6 +42,13 @@ class EngineError(Exception):
         self.message, self.status, self.type = message, status, type
 
 
+@dataclass(slots=True)
+class _Ticket:
+    """A prefill replica's KV transfer ticket, queued just before the request's final output."""
+
+    ticket: Any
+
+
 class _Subscription:
     def __init__(self, replica_id: str) -> None:
         self.replica_id = replica_id
@@ -56,6 +65,8 @@ class RequestStream:
         self._client, self._queue, self._stream, self._sub, self._watcher = client, queue, stream, sub, watcher
         self.finished = False
         self._closed = False
+        self.replica_id = sub.replica_id
+        self.kv_ticket: Any = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -64,6 +75,9 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         item = await self._queue.get()
+        while isinstance(item, _Ticket):
+            self.kv_ticket = item.ticket
+            item = await self._queue.get()
         if isinstance(item, EngineError):
             self.close()
             raise item
@@ -155,6 +169,10 @@ class EngineClient:
                 queue.put_nowait(EngineError(message))
 
     def _fan_out(self, batch: StepBatch) -> None:
+        for rid, ticket in batch.kv_tickets.items():
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(_Ticket(ticket))
         for out in batch.outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:

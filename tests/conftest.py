@@ -84,21 +84,28 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 # prefix (`deploy_app`), so differently configured apps run side by side.
 
 @pytest.fixture(scope="session")
-def serve_url():
+def ray_session():
+    """One private local Ray cluster for every test that needs Ray."""
     os.environ.pop("RAY_ADDRESS", None)
     from serving.ray_cluster import init_ray
-    from serving_helpers import free_port
 
     temp_dir = init_ray(num_cpus=4)
     import ray
+
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session):
     from ray import serve
+    from serving_helpers import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,13 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import torch
 from ray import serve
 
 from workers.config import EngineConfig
-from workers.engine import Engine, EngineStats
+from workers.engine import Engine, EngineStats, KVImport
 from workers.engine_loop import EngineLoop
+from workers.kv_transfer import KVLayout, KVTransferMeta, make_receiver, make_sender, resolve_transport
 from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, StepBatch
 from workers.metrics import EngineMetrics
 from workers.outputs import RequestOutput
@@ -38,7 +40,15 @@ class _InFlight:
 
 
 class EngineWorker:
-    def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None) -> None:
+    """`role`: "colocated" (prefill and decode), "prefill" (computes the prompt and the first token, then
+    holds the prompt's KV for a decode replica to fetch, until confirmed or `kv_lease_s` passes) or
+    "decode" (fetches the prompt's KV by ticket and continues)."""
+
+    def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None,
+                 role: str = "colocated", kv_transport: str = "auto", kv_lease_s: float = 30.0,
+                 kv_fetch_delay_s: float = 0.0) -> None:
+        if role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
         if isinstance(engine_config, dict) or engine_config is None:
             engine_config = EngineConfig(**(engine_config or {}))
         if max_waiting_requests is not None and max_waiting_requests < 0:
@@ -53,6 +63,13 @@ class EngineWorker:
         self._subscribers: dict[str, _Subscriber] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
+        self.role, self.kv_lease_s, self.kv_fetch_delay_s = role, kv_lease_s, kv_fetch_delay_s
+        self.layout = KVLayout.of(self.engine.runner.kv_cache, self.engine.model_path)
+        self.transport = resolve_transport(kv_transport, self.engine.runner.kv_cache.device)
+        self._sender = make_sender(self.transport) if role == "prefill" else None
+        self._receiver = make_receiver(self.transport) if role == "decode" else None
+        self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._waiting_for_kv = 0
         self.loop = EngineLoop(self.engine, self._on_step)
         self.loop.start()
 
@@ -70,10 +87,16 @@ class EngineWorker:
         if rid in self._in_flight:
             yield Rejected(400, f"request id {rid!r} is already in use")
             return
+        kv: KVImport | None = None
+        if request.kv_ticket is not None:
+            kv = await self._fetch_kv(request)
+            if isinstance(kv, Rejected):
+                yield kv
+                return
         done = self._aio.create_future()
         self._in_flight[rid] = _InFlight(subscriber_id, done)
         self._subscribers.setdefault(subscriber_id, _Subscriber())
-        self.loop.add(request)
+        self.loop.add(request, kv)
         try:
             yield Accepted(self.replica_id)
             await done
@@ -81,6 +104,44 @@ class EngineWorker:
             if self._in_flight.pop(rid, None) is not None:  # still running: the caller went away
                 self.loop.abort(rid)
                 self.metrics.forget(rid)
+
+    async def _fetch_kv(self, request: GenerateRequest) -> KVImport | Rejected:
+        """Decode pool: pull the prompt's KV named by the request's ticket (off the event loop)."""
+        if self._receiver is None:
+            return Rejected(400, f"replica {self.replica_id} is not in a decode pool; it cannot take KV hand-offs")
+        meta = request.kv_ticket.meta
+        try:
+            meta.layout.check_compatible(self.layout)
+        except ValueError as e:
+            return Rejected(400, str(e))
+        self._waiting_for_kv += 1
+        self.metrics.waiting_for_kv.set(self._waiting_for_kv)
+        try:
+            if self.kv_fetch_delay_s:
+                await asyncio.sleep(self.kv_fetch_delay_s)
+            start = time.monotonic()
+            payload = await asyncio.to_thread(self._receiver.fetch, request.kv_ticket)
+        except Exception as e:
+            return Rejected(503, f"fetching the prompt's KV ({self.transport}) failed: {e}", "service_unavailable")
+        finally:
+            self._waiting_for_kv -= 1
+            self.metrics.waiting_for_kv.set(self._waiting_for_kv)
+        self.metrics.observe_kv_transfer("receive", self.transport, meta.nbytes, time.monotonic() - start)
+        return KVImport(meta.num_tokens, payload)
+
+    def release_kv(self, request_id: str, replica_id: str | None = None) -> None:
+        """Prefill pool: the decode side has the KV of `request_id`; free its blocks now."""
+        self._end_lease(request_id)
+
+    def _end_lease(self, request_id: str, expired: bool = False) -> None:
+        timer = self._leases.pop(request_id, None)
+        if timer is None:
+            return
+        timer.cancel()
+        if expired:
+            self.metrics.kv_lease_expired.inc()
+        self._sender.release(request_id)
+        self.loop.release_kv(request_id)
 
     async def subscribe(self, subscriber_id: str, replica_id: str | None = None):
         """Per-step output batches for one ingress replica. `replica_id` pins the call to this replica
@@ -127,13 +188,22 @@ class EngineWorker:
 
     # ---- engine thread -> event loop -----------------------------------------------------------
 
-    def _on_step(self, outputs: list[RequestOutput], errors: dict[str, str], stats: EngineStats) -> None:
-        """Runs on the engine thread once per step: metrics here, delivery on the replica's event loop."""
+    def _on_step(self, outputs: list[RequestOutput], errors: dict[str, str], stats: EngineStats,
+                 exports: dict[str, torch.Tensor]) -> None:
+        """Runs on the engine thread once per step: metrics and KV offers here, delivery on the replica's
+        event loop."""
         self.metrics.observe_step(stats, outputs, time.monotonic())
+        tickets = {}
+        for rid, payload in exports.items():
+            start = time.monotonic()
+            meta = KVTransferMeta(rid, payload.shape[2], self.layout, self.transport,
+                                  payload.numel() * payload.element_size())
+            tickets[rid] = self._sender.offer(rid, payload, meta)
+            self.metrics.observe_kv_transfer("send", self.transport, meta.nbytes, time.monotonic() - start)
         if (outputs or errors) and self._aio is not None:
-            self._aio.call_soon_threadsafe(self._dispatch, outputs, errors)
+            self._aio.call_soon_threadsafe(self._dispatch, outputs, errors, tickets)
 
-    def _dispatch(self, outputs: list[RequestOutput], errors: dict[str, str]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], errors: dict[str, str], tickets: dict) -> None:
         touched: set[int] = set()
         subs: list[_Subscriber] = []
 
@@ -147,6 +217,11 @@ class EngineWorker:
                 subs.append(sub)
             return sub.pending
 
+        for rid, ticket in tickets.items():
+            self._leases[rid] = self._aio.call_later(self.kv_lease_s, self._end_lease, rid, True)
+            batch = deliver(rid)
+            if batch is not None:
+                batch.kv_tickets[rid] = ticket
         for out in outputs:
             batch = deliver(out.request_id)
             if batch is not None:
@@ -167,8 +242,8 @@ class EngineWorker:
             entry.done.set_result(None)
 
 
-def worker_deployment():
+def worker_deployment(name: str = "EngineWorker"):
     """The Serve deployment of `EngineWorker` with our defaults (no CPU reservation: the engine sets its
     own thread count; many ongoing requests per replica: each is one sequence, not one forward pass)."""
-    return serve.deployment(EngineWorker, name="EngineWorker", ray_actor_options={"num_cpus": 0},
+    return serve.deployment(EngineWorker, name=name, ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=1024, health_check_period_s=5, graceful_shutdown_timeout_s=5)

@@ -26,6 +26,15 @@ from workers.scheduler import Scheduler, SchedulerConfig
 _MAX_DEFAULT_LEN = 8192
 
 
+@dataclass(slots=True)
+class KVImport:
+    """KV of the first `num_tokens` prompt tokens computed elsewhere (a prefill replica), in the
+    `workers.kv_transfer` payload layout."""
+
+    num_tokens: int
+    payload: torch.Tensor
+
+
 class OutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # every step: everything so far
     DELTA = "delta"  # every step: only what is new
@@ -45,6 +54,9 @@ class EngineStats:
     computed_tokens: int
     finished: dict[str, int]
     num_pending_tokens: int = 0  # prompt (or recompute) tokens not yet computed: the prefill backlog
+    num_kv_held: int = 0  # finished prefill-only requests whose blocks wait for their transfer
+    num_kv_imported: int = 0
+    num_kv_import_fallbacks: int = 0  # imports that found no free blocks and were recomputed instead
 
 
 @dataclass(slots=True, eq=False)
@@ -119,6 +131,10 @@ class Engine:
         self._generation_tokens = 0
         self._computed_tokens = 0
         self._finished: Counter[str] = Counter()
+        self._hold_kv: set[str] = set()
+        self._held: dict[str, Request] = {}
+        self._kv_imported = 0
+        self._kv_import_fallbacks = 0
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -142,8 +158,14 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None, priority: int = 0,
-                    output_kind: OutputKind = OutputKind.CUMULATIVE) -> None:
-        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid."""
+                    output_kind: OutputKind = OutputKind.CUMULATIVE, hold_kv: bool = False,
+                    kv_import: KVImport | None = None) -> None:
+        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid.
+
+        `hold_kv`: keep the prompt's blocks when the request finishes, for `export_kv` / `release_kv`
+        (a prefill replica). `kv_import`: start from KV computed elsewhere for the first
+        `kv_import.num_tokens` prompt tokens (a decode replica); if the pool has no room for it now, the
+        prompt is recomputed instead."""
         params = params or SamplingParams()
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -153,6 +175,11 @@ class Engine:
         if max_tokens > room:
             raise ValueError(f"prompt has {len(ids):,} tokens and max_tokens is {max_tokens:,}, together more than "
                              f"max_model_len {self.max_model_len:,}")
+        if (hold_kv or kv_import is not None) and params.n != 1:
+            raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
+        if kv_import is not None and not 0 < kv_import.num_tokens < len(ids):
+            raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
+                             "(at least the last prompt token must be computed here)")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, [], output_kind, arrival)
         for i in range(params.n):
@@ -166,7 +193,42 @@ class Engine:
             self._seq_of[req.request_id] = (group, seq)
         self._groups[request_id] = group
         reqs = [s.request for s in group.seqs]
+        if hold_kv:
+            self._hold_kv.add(reqs[0].request_id)
+        if kv_import is not None:
+            self._import_kv(reqs[0], kv_import)
         self.scheduler.add_request(reqs[0], reqs[1:])
+
+    def _import_kv(self, req: Request, kv: KVImport) -> None:
+        from workers.kv_transfer import unpack_kv
+
+        if not self.kv_cache.allocate_slots(req, kv.num_tokens):
+            self._kv_import_fallbacks += 1
+            return
+        unpack_kv(self.runner.kv_cache, req.block_ids, kv.num_tokens, kv.payload)
+        req.num_computed_tokens = kv.num_tokens
+        self.kv_cache.cache_computed_blocks(req)
+        self._kv_imported += 1
+
+    def export_kv(self, request_id: str) -> torch.Tensor:
+        """The computed prompt KV of a finished `hold_kv` request, packed for transfer."""
+        from workers.kv_transfer import pack_kv
+
+        req = self._held.get(request_id)
+        if req is None:
+            raise KeyError(f"no held KV for request {request_id!r}")
+        return pack_kv(self.runner.kv_cache, req.block_ids, req.num_computed_tokens)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks of a held request (transfer confirmed or lease expired). False if unknown."""
+        req = self._held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv_cache.free(req)
+        return True
+
+    def holds_kv(self, request_id: str) -> bool:
+        return request_id in self._held
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks go back to the pool. Unknown ids are ignored."""
@@ -249,7 +311,8 @@ class Engine:
         if seq.finish_reason is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            self._finished[seq.finish_reason] += 1
+            handoff = seq.finish_reason == "length" and req.request_id in self._hold_kv
+            self._finished["handoff" if handoff else seq.finish_reason] += 1  # handoff: the decode pool goes on
         return seq.finish_reason
 
     def _record_logprobs(self, seq: _Sequence, token: int, lp: tuple) -> None:
@@ -262,7 +325,14 @@ class Engine:
         seq.cumulative_logprob += chosen_lp
 
     def _end(self, requests: list[Request], status: RequestStatus) -> None:
-        self.scheduler.finish_requests(requests, status)
+        held = [r for r in requests if r.request_id in self._hold_kv]
+        if held:
+            self._hold_kv.difference_update(r.request_id for r in held)
+            keep = status is not RequestStatus.FINISHED_ABORTED
+            self.scheduler.finish_requests(held, status, free_blocks=not keep)
+            if keep:
+                self._held.update((r.request_id, r) for r in held)
+        self.scheduler.finish_requests([r for r in requests if r not in held] if held else requests, status)
         predictor = getattr(self.scheduler.waiting, "predictor", None)
         for req in requests:
             self.runner.release(req.request_id)
@@ -302,5 +372,8 @@ class Engine:
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
             computed_tokens=self._computed_tokens,
             finished=dict(self._finished),
+            num_kv_held=len(self._held),
+            num_kv_imported=self._kv_imported,
+            num_kv_import_fallbacks=self._kv_import_fallbacks,
             num_pending_tokens=sum(s.request.num_tokens - s.request.num_computed_tokens for _, s in self._seq_of.values()),
         )

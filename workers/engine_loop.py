@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import torch
 
-from workers.engine import Engine, EngineStats, OutputKind
+from workers.engine import Engine, EngineStats, KVImport, OutputKind
 from workers.messages import GenerateRequest
 from workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-Publish = Callable[[list[RequestOutput], dict[str, str], EngineStats], None]
+Publish = Callable[[list[RequestOutput], dict[str, str], EngineStats, dict[str, torch.Tensor]], None]
 
 
 class EngineLoop:
@@ -27,8 +27,9 @@ class EngineLoop:
         self._publish = publish
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._adds: list[GenerateRequest] = []
+        self._adds: list[tuple[GenerateRequest, KVImport | None]] = []
         self._aborts: list[str] = []
+        self._releases: list[str] = []
         self._stopped = False
         self.stats: EngineStats = engine.get_stats()
         self._queued = 0  # requests in the inbox, not yet in the engine
@@ -51,10 +52,16 @@ class EngineLoop:
         deque's length is safe to read from another thread)."""
         return self._queued + len(self.engine.scheduler.waiting)
 
-    def add(self, request: GenerateRequest) -> None:
+    def add(self, request: GenerateRequest, kv_import: KVImport | None = None) -> None:
         with self._lock:
-            self._adds.append(request)
+            self._adds.append((request, kv_import))
             self._queued += 1
+        self._wake.set()
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the held blocks of a prefill-only request (its transfer is confirmed or its lease ended)."""
+        with self._lock:
+            self._releases.append(request_id)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -66,11 +73,15 @@ class EngineLoop:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            releases, self._releases = self._releases, []
         errors: dict[str, str] = {}
-        for req in adds:
+        for rid in releases:
+            self.engine.release_kv(rid)
+        for req, kv in adds:
             try:
                 self.engine.add_request(req.request_id, None, req.params, prompt_token_ids=req.prompt_token_ids,
-                                        priority=req.priority, output_kind=OutputKind.DELTA)
+                                        priority=req.priority, output_kind=OutputKind.DELTA, hold_kv=req.hold_kv,
+                                        kv_import=kv)
             except ValueError as e:
                 errors[req.request_id] = str(e)
             finally:
@@ -93,10 +104,12 @@ class EngineLoop:
                     ids = self.engine.unfinished_request_ids()
                     self.engine.abort_request(ids)
                     errors.update({rid: f"engine step failed: {e}" for rid in ids})
+            exports = {o.request_id: self.engine.export_kv(o.request_id) for o in outputs
+                       if o.finished and self.engine.holds_kv(o.request_id)}
             self.stats = self.engine.get_stats()
             if outputs or errors:
-                self._publish(outputs, errors, self.stats)
+                self._publish(outputs, errors, self.stats, exports)
             elif not self.engine.has_unfinished_requests():
-                self._publish([], {}, self.stats)
+                self._publish([], {}, self.stats, {})
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()

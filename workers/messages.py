@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
@@ -16,6 +17,8 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    hold_kv: bool = False  # prefill pool: keep the prompt's KV and publish a transfer ticket
+    kv_ticket: Any = None  # decode pool: fetch the prompt's KV with this ticket instead of computing it
 
 
 @dataclass(slots=True)
@@ -42,6 +45,7 @@ class StepBatch:
 
     outputs: list[RequestOutput] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    kv_tickets: dict[str, Any] = field(default_factory=dict)  # request id -> ticket of its held KV
 
 
 @dataclass(slots=True)

@@ -41,13 +41,23 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self._success = Counter("kvrelay:request_success", "Finished sequences by finish reason (stop, length, abort).",
+        self._success = Counter("kvrelay:request_success", "Finished sequences by finish reason (stop, length, abort; handoff: a prefill replica passed it to decode).",
                                 ["replica", "finished_reason"], registry=r)
         self._replica = replica
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the replica to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between successive tokens of a sequence.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the replica to the last token.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY_BUCKETS)
+        self.kv_held = gauge("num_kv_held", "Prefill pool: finished prompts whose KV blocks wait for a transfer.")
+        self.waiting_for_kv = gauge("num_requests_waiting_for_kv", "Decode pool: requests fetching their prompt's KV.")
+        self.kv_lease_expired = counter("kv_lease_expired", "Prefill pool: held KV freed by its lease, unconfirmed.")
+        self._kv_transfers = Counter("kvrelay:kv_transfers", "KV hand-offs by role (send/receive) and transport.",
+                                     ["replica", "role", "transport"], registry=r)
+        self._kv_bytes = Counter("kvrelay:kv_transfer_bytes", "Bytes of KV handed off.",
+                                 ["replica", "role", "transport"], registry=r)
+        self._kv_seconds = Histogram("kvrelay:kv_transfer_seconds", "Time to pack and offer (send) or fetch (receive) "
+                                     "one request's KV.", ["replica", "role", "transport"], buckets=_ITL_BUCKETS,
+                                     registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
         self._last_token_time: dict[str, float] = {}
 
@@ -56,6 +66,7 @@ class EngineMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_held.set(stats.num_kv_held)
         self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
         self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
@@ -80,6 +91,12 @@ class EngineMetrics:
                 self.e2e.observe(m["finished_time"] - m["arrival_time"])
                 if m.get("first_scheduled_time") is not None:
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
+
+    def observe_kv_transfer(self, role: str, transport: str, nbytes: int, seconds: float) -> None:
+        labels = (self._replica, role, transport)
+        self._kv_transfers.labels(*labels).inc()
+        self._kv_bytes.labels(*labels).inc(nbytes)
+        self._kv_seconds.labels(*labels).observe(seconds)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state of an aborted request."""

@@ -154,8 +154,9 @@ class Scheduler:
             sib.fork_source = leader if share else None
             self.waiting.add(sib)
 
-    def finish_requests(self, requests: list[Request], status: RequestStatus) -> None:
-        """End requests (running, waiting or pending): free their blocks and forget them."""
+    def finish_requests(self, requests: list[Request], status: RequestStatus, free_blocks: bool = True) -> None:
+        """End requests (running, waiting or pending): free their blocks (unless the caller keeps them,
+        as a prefill replica does until its KV is transferred) and forget them."""
         if not requests:
             return
         done = set(requests)
@@ -167,6 +168,7 @@ class Scheduler:
                 if req in sibs:
                     sibs.remove(req)
             self._release_siblings(req, share=False)
-            self.kv_cache.free(req)
+            if free_blocks:
+                self.kv_cache.free(req)
             req.status = status
             self.requests.pop(req.request_id, None)

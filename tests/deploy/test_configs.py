@@ -23,6 +23,12 @@ def test_serve_config():
     check(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
 
 
+def test_serve_config_disaggregated():
+    doc = yaml.safe_load((DEPLOY / "serve_config_disaggregated.yaml").read_text())
+    check(doc)
+    assert doc["applications"][0]["args"]["disaggregate"] is True
+
+
 def test_rayservice():
     doc = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
     assert doc["kind"] == "RayService"

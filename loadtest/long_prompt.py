@@ -1,0 +1,111 @@
+"""The `long-prompt` workload against colocated and disaggregated `kvrelay serve`, one after the other in
+one Ray cluster, plus KV transfer throughput per transport on a 2,048-token prompt.
+
+`python -m loadtest long-prompt --out docs/results`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from typing import Any
+
+from loadtest.http_client import run_load
+from loadtest.metrics import latency_stats
+from loadtest.overhead import MODEL_NAME, LocalCluster
+from loadtest.workloads import BenchRequest, long_prompt_requests
+
+LONG_PROMPT = 2048
+MAX_MODEL_LEN = LONG_PROMPT + 256
+
+# Same model, dtype and cache for all; the two pools of the disaggregated run split the two cores.
+COMMON = {"max_model_len": MAX_MODEL_LEN, "kv_cache_memory": "1GiB"}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "colocated, chunked prefill off": {"enable_chunked_prefill": False, "max_num_batched_tokens": MAX_MODEL_LEN},
+    "colocated, budget 256": {"max_num_batched_tokens": 256},
+    "colocated, budget 512": {"max_num_batched_tokens": 512},
+    "disaggregated 1+1": {"disaggregate": True, "kv_transport": "object_store",
+                          "prefill_engine": {"num_threads": 1, "max_num_batched_tokens": MAX_MODEL_LEN},
+                          "decode_engine": {"num_threads": 1}},
+}
+
+
+def split_stats(results, requests: list[BenchRequest]) -> dict[str, Any]:
+    """TTFT p50/p95 and ITL p95 (ms) for short and long requests separately."""
+    out: dict[str, Any] = {}
+    for kind, want_long in (("short", False), ("long", True)):
+        rs = [r for r, q in zip(results, requests) if (len(q.prompt_token_ids) == LONG_PROMPT) == want_long and r.success]
+        ttft = latency_stats("ttft", [r.ttft for r in rs if r.ttft is not None])
+        itl = latency_stats("itl", [g for r in rs for g in r.itl])
+        out[kind] = {"completed": len(rs), "ttft_p50_ms": ttft["median_ttft_ms"], "ttft_p95_ms": ttft["p95_ttft_ms"],
+                     "itl_p95_ms": itl["p95_itl_ms"]}
+    out["failed"] = sum(not r.success for r in results)
+    return out
+
+
+def _metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    sums = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in sums and s.labels.get("role") == "receive":
+                sums[s.name] += s.value
+    return sums
+
+
+def transfer_throughput(cluster: LocalCluster, tokenizer_ids: list[int], transports: list[str],
+                        repeats: int = 5) -> list[dict[str, Any]]:
+    """MB/s of the decode side's fetch (bytes over fetch time) for a 2,048-token prompt, per transport."""
+    rows = []
+    for transport in transports:
+        name = f"xfer-{transport.replace('_', '')}"
+        url = cluster.deploy(name, {**COMMON, "disaggregate": True, "kv_transport": transport})
+        names = ("kvrelay:kv_transfer_bytes_total", "kvrelay:kv_transfer_seconds_sum", "kvrelay:kv_transfers_total")
+        before = _metric_sums(url, names)
+        for i in range(repeats):
+            prompt = tokenizer_ids[i * 7:i * 7 + LONG_PROMPT]
+            asyncio.run(run_load(url, MODEL_NAME, [BenchRequest(prompt, 2)], stream=False, progress=False))
+        after = _metric_sums(url, names)
+        delta = {k: after[k] - before[k] for k in names}
+        seconds = delta["kvrelay:kv_transfer_seconds_sum"]
+        rows.append({"transport": transport, "transfers": delta["kvrelay:kv_transfers_total"],
+                     "mb_per_transfer": delta["kvrelay:kv_transfer_bytes_total"] / max(1, repeats) / 1e6,
+                     "mb_per_s": delta["kvrelay:kv_transfer_bytes_total"] / seconds / 1e6 if seconds else 0.0,
+                     "ms_per_transfer": 1e3 * seconds / max(1, delta["kvrelay:kv_transfers_total"])})
+        cluster.delete(name)
+    return rows
+
+
+def run(tokenizer, corpus_ids: list[int], transports: list[str], configs: list[str] | None = None,
+        num_requests: int | None = None) -> dict[str, Any]:
+    requests = long_prompt_requests(tokenizer)[: num_requests or None]
+    rows = []
+    with LocalCluster() as cluster:
+        for i, label in enumerate(configs or CONFIGS):
+            name = f"lp{i}"
+            url = cluster.deploy(name, {**COMMON, **CONFIGS[label]})
+            asyncio.run(run_load(url, MODEL_NAME, [BenchRequest(requests[0].prompt_token_ids[:8], 2)], progress=False))
+            start = time.perf_counter()
+            results, duration = asyncio.run(run_load(url, MODEL_NAME, requests, stream=True, progress=False))
+            rows.append({"config": label, "options": CONFIGS[label], "duration": duration,
+                         "wall": time.perf_counter() - start, **split_stats(results, requests)})
+            cluster.delete(name)
+        transfers = transfer_throughput(cluster, corpus_ids, transports)
+    return {"long_prompt": rows, "transfers": transfers}
+
+
+def format_tables(payload: dict[str, Any]) -> str:
+    lines = ["| config | short TTFT p50 ms | short TTFT p95 ms | short ITL p95 ms | long TTFT p50 ms | "
+             "long TTFT p95 ms | long ITL p95 ms | failed |", "|---|---|---|---|---|---|---|---|"]
+    for r in payload["long_prompt"]:
+        s, lg = r["short"], r["long"]
+        lines.append(f"| {r['config']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | {s['itl_p95_ms']:.0f} | "
+                     f"{lg['ttft_p50_ms']:.0f} | {lg['ttft_p95_ms']:.0f} | {lg['itl_p95_ms']:.0f} | {r['failed']} |")
+    lines += ["", "| transport | transfers | MB per transfer | ms per fetch | MB/s |", "|---|---|---|---|---|"]
+    for t in payload["transfers"]:
+        lines.append(f"| {t['transport']} | {t['transfers']:.0f} | {t['mb_per_transfer']:.1f} | "
+                     f"{t['ms_per_transfer']:.1f} | {t['mb_per_s']:.0f} |")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Disaggregated serving, orchestrated from the ingress: a request's prompt runs on a prefill replica
+(which samples the first token and holds the prompt's KV), the first token goes to the client at once,
+and a decode replica chosen by load fetches the KV by ticket and continues as if it had computed the
+prompt. The prefill side frees the blocks when the ingress confirms the hand-off (the decode replica
+accepted the request, which it does only after the fetch), or when its lease expires."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from serving.engine_client import EngineClient, EngineError, RequestStream, call
+from workers.messages import GenerateRequest
+from workers.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class HandoffStream:
+    """One request's deltas across the hand-off: the prefill replica's first token, then the decode
+    replica's tokens. Same interface as `RequestStream` (async iteration, `close()`)."""
+
+    def __init__(self, client: DisaggregatedClient, request: GenerateRequest, prefill: RequestStream) -> None:
+        self.request = request
+        self._client, self._prefill = client, prefill
+        self._decode: RequestStream | None = None
+        self._it = self._run()
+
+    def __aiter__(self) -> HandoffStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._it.__anext__()
+
+    def close(self) -> None:
+        self._prefill.close()
+        if self._decode is not None:
+            self._decode.close()
+
+    async def _run(self):
+        req, params = self.request, self.request.params
+        first = None
+        async for out in self._prefill:
+            first = out
+        ticket, prefill_replica = self._prefill.kv_ticket, self._prefill.replica_id
+        c = first.outputs[0]
+        first.request_id = req.request_id
+        done = (params.max_tokens == 1 or c.finish_reason == "abort"
+                or (c.finish_reason == "stop" and params.min_tokens <= 1))
+        if done or ticket is None:
+            if ticket is not None:
+                self._client.confirm(prefill_replica, ticket.meta.request_id)
+            if not done:
+                raise EngineError("the prefill replica finished the prompt without a KV ticket", 500, "internal_error")
+            yield first
+            return
+        first.finished, c.finish_reason, c.stop_reason = False, None, None
+        first.metrics = {}
+        yield first
+        rest = dataclasses.replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
+                                   min_tokens=max(0, params.min_tokens - 1))
+        decode_req = GenerateRequest(req.request_id, req.prompt_token_ids + list(c.token_ids), rest, req.priority,
+                                     kv_ticket=ticket)
+        self._decode = await self._client.decode.submit(decode_req)
+        self._client.confirm(prefill_replica, ticket.meta.request_id)
+        async for out in self._decode:
+            yield out
+
+
+class DisaggregatedClient:
+    """`submit` like `EngineClient.submit`, over a prefill pool and a decode pool. Requests with n > 1
+    run whole on the decode pool (their siblings share the prompt's blocks there)."""
+
+    def __init__(self, prefill: EngineClient, decode: EngineClient, prefill_handle) -> None:
+        self.prefill, self.decode = prefill, decode
+        self._prefill_handle = prefill_handle
+
+    async def submit(self, request: GenerateRequest) -> RequestStream | HandoffStream:
+        if request.params.n != 1:
+            return await self.decode.submit(request)
+        first_only = dataclasses.replace(request.params, max_tokens=1, min_tokens=0)
+        prefill_req = dataclasses.replace(request, request_id=f"{request.request_id}/prefill", params=first_only,
+                                          hold_kv=True)
+        return HandoffStream(self, request, await self.prefill.submit(prefill_req))
+
+    def confirm(self, replica_id: str, request_id: str) -> None:
+        """Tell the prefill replica its held KV has been taken (fire and forget; the lease is the backstop)."""
+        call(self._prefill_handle.release_kv, request_id, replica_id=replica_id)
