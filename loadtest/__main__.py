@@ -86,11 +86,13 @@ def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
         print(f"engine in-process: {name}", file=sys.stderr)
         rows.append({"system": "engine", "workload": name, "stream": None, **engine_side(requests, engine_options)})
     with LocalCluster() as cluster:
-        url = cluster.deploy("kvrelay", engine_options)
         for name, requests in workloads.items():
             for stream in ((False, True) if name == "burst" else (True,)):
                 print(f"kvrelay serve: {name} stream={stream}", file=sys.stderr)
+                app = f"{name}-{'stream' if stream else 'plain'}"  # a fresh server: no prefix cache from a run before
+                url = cluster.deploy(app, engine_options)
                 rows.append({"system": "server", "workload": name, "stream": stream, **server_side(url, requests, stream)})
+                cluster.delete(app)
     payload["results"] = rows
     payload["loadavg_end"] = loadavg()
     write_json(out_path, payload)

@@ -43,22 +43,25 @@ def split_stats(results, requests: list[BenchRequest]) -> dict[str, Any]:
     return out
 
 
-def _metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+def _metric_sums(url: str, names: tuple[str, ...]) -> dict[tuple[str, str], float]:
+    """{(sample name, role): value summed over replicas} for the KV transfer metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
         text = r.read().decode()
-    sums = dict.fromkeys(names, 0.0)
+    sums = {(n, role): 0.0 for n in names for role in ("send", "receive")}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in sums and s.labels.get("role") == "receive":
-                sums[s.name] += s.value
+            key = (s.name, s.labels.get("role"))
+            if key in sums:
+                sums[key] += s.value
     return sums
 
 
 def transfer_throughput(cluster: LocalCluster, tokenizer_ids: list[int], transports: list[str],
                         repeats: int = 5) -> list[dict[str, Any]]:
-    """MB/s of the decode side's fetch (bytes over fetch time) for a 2,048-token prompt, per transport."""
+    """Per transport, for a 2,048-token prompt: the prefill side's offer time, the decode side's fetch
+    time, and MB/s over both (packing in the engine thread is not included)."""
     rows = []
     for transport in transports:
         name = f"xfer-{transport.replace('_', '')}"
@@ -69,12 +72,13 @@ def transfer_throughput(cluster: LocalCluster, tokenizer_ids: list[int], transpo
             prompt = tokenizer_ids[i * 7:i * 7 + LONG_PROMPT]
             asyncio.run(run_load(url, MODEL_NAME, [BenchRequest(prompt, 2)], stream=False, progress=False))
         after = _metric_sums(url, names)
-        delta = {k: after[k] - before[k] for k in names}
-        seconds = delta["kvrelay:kv_transfer_seconds_sum"]
-        rows.append({"transport": transport, "transfers": delta["kvrelay:kv_transfers_total"],
-                     "mb_per_transfer": delta["kvrelay:kv_transfer_bytes_total"] / max(1, repeats) / 1e6,
-                     "mb_per_s": delta["kvrelay:kv_transfer_bytes_total"] / seconds / 1e6 if seconds else 0.0,
-                     "ms_per_transfer": 1e3 * seconds / max(1, delta["kvrelay:kv_transfers_total"])})
+        delta = {k: after[k] - before[k] for k in after}
+        n = max(1.0, delta[("kvrelay:kv_transfers_total", "receive")])
+        send_s, recv_s = (delta[("kvrelay:kv_transfer_seconds_sum", role)] for role in ("send", "receive"))
+        nbytes = delta[("kvrelay:kv_transfer_bytes_total", "receive")]
+        rows.append({"transport": transport, "transfers": n, "mb_per_transfer": nbytes / n / 1e6,
+                     "offer_ms": 1e3 * send_s / n, "fetch_ms": 1e3 * recv_s / n,
+                     "mb_per_s": nbytes / (send_s + recv_s) / 1e6 if send_s + recv_s else 0.0})
         cluster.delete(name)
     return rows
 
@@ -84,7 +88,7 @@ def run(tokenizer, corpus_ids: list[int], transports: list[str], configs: list[s
     requests = long_prompt_requests(tokenizer)[: num_requests or None]
     rows = []
     with LocalCluster() as cluster:
-        for i, label in enumerate(configs or CONFIGS):
+        for i, label in enumerate(CONFIGS if configs is None else configs):
             name = f"lp{i}"
             url = cluster.deploy(name, {**COMMON, **CONFIGS[label]})
             asyncio.run(run_load(url, MODEL_NAME, [BenchRequest(requests[0].prompt_token_ids[:8], 2)], progress=False))
@@ -104,8 +108,9 @@ def format_tables(payload: dict[str, Any]) -> str:
         s, lg = r["short"], r["long"]
         lines.append(f"| {r['config']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | {s['itl_p95_ms']:.0f} | "
                      f"{lg['ttft_p50_ms']:.0f} | {lg['ttft_p95_ms']:.0f} | {lg['itl_p95_ms']:.0f} | {r['failed']} |")
-    lines += ["", "| transport | transfers | MB per transfer | ms per fetch | MB/s |", "|---|---|---|---|---|"]
+    lines += ["", "| transport | transfers | MB per transfer | offer ms | fetch ms | MB/s (offer + fetch) |",
+              "|---|---|---|---|---|---|"]
     for t in payload["transfers"]:
-        lines.append(f"| {t['transport']} | {t['transfers']:.0f} | {t['mb_per_transfer']:.1f} | "
-                     f"{t['ms_per_transfer']:.1f} | {t['mb_per_s']:.0f} |")
+        lines.append(f"| {t['transport']} | {t['transfers']:.0f} | {t['mb_per_transfer']:.1f} | {t['offer_ms']:.1f} | "
+                     f"{t['fetch_ms']:.1f} | {t['mb_per_s']:.0f} |")
     return "\n".join(lines)

@@ -78,18 +78,22 @@ class AppConfig(BaseModel):
         high = (self.prefill_max_replicas if pool == "prefill" else self.decode_max_replicas) or low
         scaled = self.model_copy(update={"num_replicas": None if high > low else low, "min_replicas": low,
                                          "max_replicas": max(low, high), "initial_replicas": None})
-        return scaled.worker_deployment_options()
+        return scaled.worker_deployment_options(self.pool_engine(pool))
 
     @property
     def autoscaling(self) -> bool:
         return self.num_replicas is None and self.max_replicas > self.min_replicas
 
-    def worker_deployment_options(self) -> dict[str, Any]:
+    def worker_deployment_options(self, engine: EngineConfig | None = None) -> dict[str, Any]:
         from ray.serve.config import RequestRouterConfig
 
         from router.request_router import KVRelayRequestRouter
 
+        threads = str((engine or self.engine).num_threads)
         opts: dict[str, Any] = {
+            # Ray sets OMP_NUM_THREADS=1 in actors (from num_cpus=0); the engine's OpenMP code (our compiled
+            # kernel, oneDNN) reads it once at start, so give it the engine's thread count instead.
+            "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
             "max_ongoing_requests": self.max_ongoing_requests,
             "request_router_config": RequestRouterConfig(
                 request_router_class=KVRelayRequestRouter,

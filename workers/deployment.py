@@ -225,6 +225,7 @@ class EngineWorker:
         for out in outputs:
             batch = deliver(out.request_id)
             if batch is not None:
+                out.prompt, out.prompt_token_ids = None, []  # the ingress has them; do not resend every step
                 batch.outputs.append(out)
             if out.finished:
                 self._resolve(out.request_id)
