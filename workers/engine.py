@@ -83,6 +83,7 @@ class _Group:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     counted_prompt: bool = False
+    kv_imported: bool = False
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -196,19 +197,20 @@ class Engine:
         if hold_kv:
             self._hold_kv.add(reqs[0].request_id)
         if kv_import is not None:
-            self._import_kv(reqs[0], kv_import)
+            group.kv_imported = self._import_kv(reqs[0], kv_import)
         self.scheduler.add_request(reqs[0], reqs[1:])
 
-    def _import_kv(self, req: Request, kv: KVImport) -> None:
+    def _import_kv(self, req: Request, kv: KVImport) -> bool:
         from workers.kv_transfer import unpack_kv
 
         if not self.kv_cache.allocate_slots(req, kv.num_tokens):
             self._kv_import_fallbacks += 1
-            return
+            return False
         unpack_kv(self.runner.kv_cache, req.block_ids, kv.num_tokens, kv.payload)
         req.num_computed_tokens = kv.num_tokens
         self.kv_cache.cache_computed_blocks(req)
         self._kv_imported += 1
+        return True
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The computed prompt KV of a finished `hold_kv` request, packed for transfer."""
@@ -291,7 +293,8 @@ class Engine:
         for group in touched.values():
             if group.finished:
                 group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
-                                 "first_token_time": group.first_token_time, "finished_time": now}
+                                 "first_token_time": group.first_token_time, "finished_time": now,
+                                 "kv_imported": group.kv_imported, "kv_handoff": group.request_id in self._held}
                 self._groups.pop(group.request_id, None)
             if group.finished or group.output_kind is not OutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(group))

@@ -87,8 +87,12 @@ class EngineMetrics:
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)
                 m = out.metrics
+                # Disaggregated: the prefill pool records TTFT and queue time, the decode pool the rest.
+                if not m.get("kv_handoff"):
+                    self.e2e.observe(m["finished_time"] - m["arrival_time"])
+                if m.get("kv_imported"):
+                    continue
                 self.ttft.observe(m["first_token_time"] - m["arrival_time"])
-                self.e2e.observe(m["finished_time"] - m["arrival_time"])
                 if m.get("first_scheduled_time") is not None:
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
 

@@ -67,6 +67,9 @@ def test_greedy_outputs_equal_colocated(app, offline, make_prompts):
     hits = metric_sum(after, "kvrelay:prefix_cache_hits_total") - metric_sum(before, "kvrelay:prefix_cache_hits_total")
     assert hits >= 80
     assert metric_sum(after, "kvrelay:kv_lease_expired_total") == metric_sum(before, "kvrelay:kv_lease_expired_total")
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):  # once per request, not per pool
+        name = f"kvrelay:{histogram}_count"
+        assert metric_sum(after, name) - metric_sum(before, name) == len(prompts), histogram
 
 
 def test_streaming_first_token_comes_from_prefill(app, offline):
