@@ -42,6 +42,8 @@ class HandoffStream:
         first = None
         async for out in self._prefill:
             first = out
+        if first is None:
+            raise EngineError("the prefill replica ended the request without output")
         ticket, prefill_replica = self._prefill.kv_ticket, self._prefill.replica_id
         c = first.outputs[0]
         first.request_id = req.request_id

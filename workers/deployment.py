@@ -168,9 +168,6 @@ class EngineWorker:
         """This replica's Prometheus exposition (`replica_id` pins the call, as for `subscribe`)."""
         return self.replica_id, self.metrics.render()
 
-    def load(self, replica_id: str | None = None) -> dict:
-        return self.record_routing_stats()
-
     def record_routing_stats(self) -> dict:
         """Pulled by Serve every `request_routing_stats_period_s`; read by the request router."""
         s = self.loop.stats
