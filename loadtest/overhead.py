@@ -79,32 +79,21 @@ class LocalCluster:
     """A private local Ray cluster with Serve on a free port; `deploy` runs `kvrelay serve`'s app."""
 
     def __enter__(self) -> LocalCluster:
-        import socket
-
-        from serving.ray_cluster import init_ray
+        from serving.ray_cluster import free_port, init_ray
 
         os.environ.pop("RAY_ADDRESS", None)
         init_ray()
         from ray import serve
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.base_url = f"http://127.0.0.1:{port}"
         return self
 
     def deploy(self, name: str, options: dict) -> str:
-        from ray import serve
+        from serving.ray_cluster import deploy_app
 
-        from serving.app import build_app
-        from serving.ray_cluster import wait_until_healthy
-
-        serve.run(build_app({**options, "served_model_name": MODEL_NAME}), name=name, route_prefix=f"/{name}",
-                  blocking=False)
-        url = f"{self.base_url}/{name}"
-        wait_until_healthy(url)
-        return url
+        return deploy_app(name, {**options, "served_model_name": MODEL_NAME}, self.base_url)
 
     def delete(self, name: str) -> None:
         from ray import serve

@@ -7,6 +7,7 @@ dir (Ray's socket paths must stay under 108 characters) and no dashboard (the la
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
 import urllib.error
@@ -50,3 +51,21 @@ def wait_until_healthy(url: str, timeout_s: float = 600.0, poll_s: float = 0.5) 
             last = e
         time.sleep(poll_s)
     raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s (last: {last})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy_app(name: str, options: dict, base_url: str, timeout_s: float = 600.0) -> str:
+    """Run `kvrelay serve`'s application under `/<name>` on a running Serve instance; its URL once healthy."""
+    from ray import serve
+
+    from serving.app import build_app
+
+    serve.run(build_app(options), name=name, route_prefix=f"/{name}", blocking=False)
+    url = f"{base_url}/{name}"
+    wait_until_healthy(url, timeout_s=timeout_s)
+    return url

@@ -100,7 +100,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def serve_url(ray_session):
     from ray import serve
-    from serving_helpers import free_port
+    from serving.ray_cluster import free_port
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -110,16 +110,10 @@ def serve_url(ray_session):
 
 @pytest.fixture(scope="session")
 def deploy_app(serve_url):
-    from ray import serve
-
-    from serving.app import build_app
-    from serving.ray_cluster import wait_until_healthy
+    from serving.ray_cluster import deploy_app as deploy_named
 
     def deploy(name: str, **options) -> str:
         options.setdefault("kv_cache_memory", "256MiB")
-        serve.run(build_app(options), name=name, route_prefix=f"/{name}", blocking=False)
-        url = f"{serve_url}/{name}"
-        wait_until_healthy(url, timeout_s=300)
-        return url
+        return deploy_named(name, options, serve_url, timeout_s=300)
 
     return deploy

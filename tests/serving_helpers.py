@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 
+
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,

@@ -55,7 +55,6 @@ class EngineStats:
     finished: dict[str, int]
     num_pending_tokens: int = 0  # prompt (or recompute) tokens not yet computed: the prefill backlog
     num_kv_held: int = 0  # finished prefill-only requests whose blocks wait for their transfer
-    num_kv_imported: int = 0
     num_kv_import_fallbacks: int = 0  # imports that found no free blocks and were recomputed instead
 
 
@@ -134,7 +133,6 @@ class Engine:
         self._finished: Counter[str] = Counter()
         self._hold_kv: set[str] = set()
         self._held: dict[str, Request] = {}
-        self._kv_imported = 0
         self._kv_import_fallbacks = 0
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -209,7 +207,6 @@ class Engine:
         unpack_kv(self.runner.kv_cache, req.block_ids, kv.num_tokens, kv.payload)
         req.num_computed_tokens = kv.num_tokens
         self.kv_cache.cache_computed_blocks(req)
-        self._kv_imported += 1
         return True
 
     def export_kv(self, request_id: str) -> torch.Tensor:
@@ -376,7 +373,6 @@ class Engine:
             computed_tokens=self._computed_tokens,
             finished=dict(self._finished),
             num_kv_held=len(self._held),
-            num_kv_imported=self._kv_imported,
             num_kv_import_fallbacks=self._kv_import_fallbacks,
             num_pending_tokens=sum(s.request.num_tokens - s.request.num_computed_tokens for _, s in self._seq_of.values()),
         )

@@ -92,7 +92,7 @@ class EngineLoop:
         return errors
 
     def _run(self) -> None:
-        torch.set_num_threads(self.engine.config.num_threads)  # per thread in torch; Ray's OMP_NUM_THREADS is ignored
+        torch.set_num_threads(self.engine.config.num_threads)  # for this thread, which runs every forward pass
         while not self._stopped:
             errors = self._drain_inbox()
             outputs: list[RequestOutput] = []

@@ -51,6 +51,8 @@ class EngineMetrics:
         self.kv_held = gauge("num_kv_held", "Prefill pool: finished prompts whose KV blocks wait for a transfer.")
         self.waiting_for_kv = gauge("num_requests_waiting_for_kv", "Decode pool: requests fetching their prompt's KV.")
         self.kv_lease_expired = counter("kv_lease_expired", "Prefill pool: held KV freed by its lease, unconfirmed.")
+        self.kv_import_fallbacks = counter("kv_import_fallbacks", "Decode pool: fetched KV that found no free blocks, "
+                                           "so the prompt was recomputed.")
         self._kv_transfers = Counter("kvrelay:kv_transfers", "KV hand-offs by role (send/receive) and transport.",
                                      ["replica", "role", "transport"], registry=r)
         self._kv_bytes = Counter("kvrelay:kv_transfer_bytes", "Bytes of KV handed off.",
@@ -72,6 +74,7 @@ class EngineMetrics:
         self.generation_tokens.inc(stats.generation_tokens - last.generation_tokens)
         self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self.kv_import_fallbacks.inc(stats.num_kv_import_fallbacks - last.num_kv_import_fallbacks)
         for reason, count in stats.finished.items():
             delta = count - last.finished.get(reason, 0)
             if delta:

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from serving_helpers import free_port, http
+from serving_helpers import http
+
+from serving.ray_cluster import free_port
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
 
