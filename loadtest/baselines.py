@@ -59,11 +59,15 @@ def _generate_batch(model: Any, batch: Sequence[BenchRequest], pad_id: int) -> l
     return [gen[row, : r.output_len].tolist() for row, r in enumerate(batch)]
 
 
-def hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int) -> RunResult:
+def hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int, progress: bool = False) -> RunResult:
     """Static batching: fixed batches in arrival order, each run until its longest member ends."""
+    from tqdm import tqdm
+
     pad_id, outputs, generated = pad_token_id(model), [], 0
     load0, t0 = loadavg(), time.perf_counter()
-    for start in range(0, len(requests), batch_size):
+    starts = range(0, len(requests), batch_size)
+    desc = "hf-naive" if batch_size == 1 else f"hf-static-{batch_size}"
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
         batch = requests[start : start + batch_size]
         outputs += _generate_batch(model, batch, pad_id)
         generated += len(batch) * max(r.output_len for r in batch)
@@ -76,9 +80,9 @@ def hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int) -> 
     )
 
 
-def hf_naive(model: Any, requests: Sequence[BenchRequest]) -> RunResult:
+def hf_naive(model: Any, requests: Sequence[BenchRequest], progress: bool = False) -> RunResult:
     """Naive serving: one request at a time through ``generate``."""
-    result = hf_static(model, requests, batch_size=1)
+    result = hf_static(model, requests, batch_size=1, progress=progress)
     result.system = "hf-naive"
     result.extra = {}
     return result

@@ -16,13 +16,13 @@ def load_engine(model_path: str, dtype: str = "bfloat16") -> Any:
     return LLM(model=model_path, dtype=dtype)
 
 
-def generate_token_ids(llm: Any, requests: Sequence[BenchRequest]) -> list[list[int]]:
+def generate_token_ids(llm: Any, requests: Sequence[BenchRequest], progress: bool = False) -> list[list[int]]:
     """Submit all requests in one ``generate`` call; return generated ids in input order."""
     from serving import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
               for r in requests]
-    outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params, use_tqdm=False)
+    outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params, use_tqdm=progress)
     if len(outputs) != len(requests):
         raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(requests)} requests")
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
@@ -32,11 +32,11 @@ def generate_token_ids(llm: Any, requests: Sequence[BenchRequest]) -> list[list[
     return token_ids
 
 
-def run_engine(llm: Any, requests: Sequence[BenchRequest]) -> RunResult:
+def run_engine(llm: Any, requests: Sequence[BenchRequest], progress: bool = False) -> RunResult:
     """Time one offline ``generate`` over all requests (model load excluded)."""
     generate_token_ids(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # untimed warm-up
     load0, t0 = loadavg(), time.perf_counter()
-    token_ids = generate_token_ids(llm, requests)
+    token_ids = generate_token_ids(llm, requests, progress)
     wall = time.perf_counter() - t0
     useful = sum(len(ids) for ids in token_ids)
     return RunResult(

@@ -10,16 +10,19 @@ that delivered its tokens."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from loadtest.http_client import RequestResult, run_load
 from loadtest.metrics import summarize
-from loadtest.workloads import BenchRequest
+from loadtest.results import git_commit, loadavg, write_json
+from loadtest.workloads import BenchRequest, burst_requests
 
 MODEL_NAME = "kvrelay-bench"
 
@@ -113,3 +116,47 @@ def server_side(url: str, requests: Sequence[BenchRequest], stream: bool) -> dic
                          progress=False))  # warm-up
     results, duration = asyncio.run(run_load(url, MODEL_NAME, list(requests), stream=stream, progress=False))
     return summarize(results, duration)
+
+
+def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
+    """Each workload through the engine in-process, then through one `kvrelay serve`; print ratios."""
+    from loadtest.workloads import poisson_requests
+
+    builders = {"burst": lambda: burst_requests(tokenizer, args.cap), "poisson": lambda: poisson_requests(tokenizer, args.qps)}
+    workloads = {name: builders[name]()[: args.num_requests or None] for name in args.workloads}
+    engine_options = {"model": args.model, "dtype": args.dtype}
+    payload: dict[str, Any] = {"workload": "overhead", "parameters": {**vars(args), "out": str(args.out)},
+                               "git_commit": git_commit(), "loadavg_start": loadavg(), "results": []}
+    payload["parameters"]["workloads"] = list(workloads)
+    out_path = args.out / f"overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    rows = []
+    for name, requests in workloads.items():
+        print(f"engine in-process: {name}", file=sys.stderr)
+        rows.append({"system": "engine", "workload": name, "stream": None, **engine_side(requests, engine_options)})
+    with LocalCluster() as cluster:
+        for name, requests in workloads.items():
+            for stream in ((False, True) if name == "burst" else (True,)):
+                print(f"kvrelay serve: {name} stream={stream}", file=sys.stderr)
+                app = f"{name}-{'stream' if stream else 'plain'}"  # a fresh server: no prefix cache from a run before
+                url = cluster.deploy(app, engine_options)
+                rows.append({"system": "server", "workload": name, "stream": stream, **server_side(url, requests, stream)})
+                cluster.delete(app)
+    payload["results"] = rows
+    payload["loadavg_end"] = loadavg()
+    write_json(out_path, payload)
+    print(format_overhead(rows))
+    print(f"wrote {out_path}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def format_overhead(rows: list[dict[str, Any]]) -> str:
+    lines = ["| workload | system | stream | output tok/s | vs engine | TTFT p50 ms | TTFT p95 ms | ITL p95 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    engine = {r["workload"]: r for r in rows if r["system"] == "engine"}
+    for r in rows:
+        base = engine[r["workload"]]
+        ratio = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else 0.0
+        stream = "" if r["stream"] is None else ("yes" if r["stream"] else "no")
+        lines.append(f"| {r['workload']} | {r['system']} | {stream} | {r['output_throughput']:.1f} | {ratio:.3f} | "
+                     f"{r['median_ttft_ms']:.1f} | {r['p95_ttft_ms']:.1f} | {r['p95_itl_ms']:.1f} | {r['failed']} |")
+    return "\n".join(lines)

@@ -100,8 +100,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own parser, with subcommands per workload
+        from loadtest.bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvrelay", description="LLM serving with continuous batching on Ray")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="benchmarks: burst, poisson, random, long-prompt, policies, compare, ... "
+                   "(kvrelay bench --help)")
     gen = sub.add_parser("generate", help="generate offline (no server) for chat prompts")
     add_engine_options(gen)
     gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")

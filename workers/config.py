@@ -37,6 +37,9 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory).")
     kv_cache_memory: int | str = _opt("2GiB", "KV cache size as memory, e.g. 2GiB; the block count follows from the model's shape.")
     scheduling_policy: str = _opt("fcfs", "Waiting-queue order: fcfs, priority, sjf or predicted.")
+    length_predictor: str | None = _opt(
+        None, "JSON file of a trained output-length predictor for --scheduling-policy predicted "
+              "(kvrelay bench train-predictor writes one); default: a running mean of finished lengths.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps; off runs each prompt whole (budget >= max_model_len).")
     attention_backend: str = _opt("auto", "Attention kernel: auto or a registered backend name.")
@@ -59,5 +62,8 @@ class EngineConfig:
         except ValueError:
             options = ", ".join(p.value for p in SchedulingPolicy)
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose one of {options}") from None
+        if self.length_predictor is not None and self.scheduling_policy != SchedulingPolicy.PREDICTED.value:
+            raise ValueError(f"length_predictor is only used by scheduling_policy 'predicted', "
+                             f"not {self.scheduling_policy!r}")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1

@@ -90,6 +90,15 @@ class _Group:
         return all(s.finish_reason is not None for s in self.seqs)
 
 
+def _load_predictor(path: str | None):
+    """The trained length predictor at `path` (for the `predicted` policy), or None for its default."""
+    if path is None:
+        return None
+    from workers.length_predictor import LinearLengthPredictor
+
+    return LinearLengthPredictor.load(path)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -119,7 +128,7 @@ class Engine:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
-            self.kv_cache, make_request_queue(config.scheduling_policy))
+            self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
         attn = get_attention_backend(config.attention_backend)
         self.runner = ModelRunner(self.model, attn, num_blocks, config.block_size, self.dtype, config.seed)
         eos = self.tokenizer.eos_token_id

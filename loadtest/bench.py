@@ -1,0 +1,651 @@
+"""`kvrelay bench`: the benchmark workloads of docs/benchmarks.md against any OpenAI-compatible server,
+our engine offline, the Hugging Face baselines, or all of them side by side in one run.
+
+    kvrelay bench burst --url http://127.0.0.1:8000            # a running server
+    kvrelay bench burst --offline --caps 16,64,256             # LLM.generate in this process
+    kvrelay bench burst --baseline hf-static                   # HF generate, batches of 8/16/32/64
+    kvrelay bench burst --systems hf-naive,hf-static,engine,server --caps 16,64,256 --plot
+    kvrelay bench poisson --systems engine,server --qps 1,4,16 --plot
+    kvrelay bench policies --qps 2 --plot                      # fcfs / sjf / predicted on poisson
+    kvrelay bench random --url URL --input-len 256 --output-len 128 --request-rate 2 --burstiness 0.5
+    kvrelay bench compare results/a.json results/b.json
+    kvrelay bench train-predictor                              # the `predicted` policy's length model
+
+`server` starts a private local Ray cluster and deploys a fresh `kvrelay serve` app for every run (so
+no run inherits another's prefix cache); `--url` measures whatever is listening there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from loadtest import report
+from loadtest.workloads import BURST_CAPS, BenchRequest
+
+LOCAL_SYSTEMS = ("hf-naive", "hf-static", "engine", "server")
+TIMED_SYSTEMS = ("engine", "server")  # systems with per-token timings (poisson, random, policies)
+POLICIES = ("fcfs", "sjf", "predicted")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    return [int(v) for v in _csv(value)]
+
+
+def _floats(value: str) -> list[float]:
+    return [float(v) for v in _csv(value)]
+
+
+def _key_value(value: str) -> tuple[str, Any]:
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError:
+        parsed = raw
+    return key.strip().replace("-", "_"), parsed
+
+
+def _add_target(p: argparse.ArgumentParser, systems: Sequence[str], baselines: bool) -> None:
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--url", help="base URL of a running OpenAI-compatible server")
+    target.add_argument("--offline", action="store_true", help="our engine in this process (LLM API)")
+    if baselines:
+        target.add_argument("--baseline", choices=("hf-naive", "hf-static"), help="a Hugging Face baseline")
+    target.add_argument("--systems", type=_csv, help=f"comma list of {', '.join(systems)}, run one after another "
+                        "(server = a fresh `kvrelay serve` on a private local Ray cluster)")
+
+
+def _add_common(p: argparse.ArgumentParser, stream_default: bool | None) -> None:
+    p.add_argument("--model", default=None, help="model folder for local systems; served model name with --url "
+                   "(default: the engine's default model / the server's first model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for building prompts (default: --model "
+                   "when it is a folder, else the engine's default model)")
+    p.add_argument("--dtype", default="bfloat16", help="weights dtype of local systems")
+    p.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine option for `engine` and `server` (repeatable), e.g. max_num_seqs=64")
+    p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token for --url (default: $KVRELAY_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests of the workload")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="HTTP: replace the workload's arrival times by a seeded Poisson/gamma process (req/s; inf = all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of --request-rate gaps (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="HTTP: most requests in flight")
+    p.add_argument("--seed", type=int, default=0, help="seed of --request-rate arrivals")
+    p.add_argument("--timeout", type=float, default=1800, help="HTTP: seconds before one request counts as failed")
+    if stream_default is not None:
+        p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=stream_default,
+                       help=f"HTTP: stream responses (default: {'on' if stream_default else 'off'})")
+    p.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON (and PNG) results")
+    p.add_argument("--plot", action="store_true", help="write PNG plots next to the JSON")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="workload", required=True)
+
+    p = sub.add_parser("burst", help="256 requests x 128 prompt tokens at t=0; throughput per output-length cap")
+    _add_target(p, LOCAL_SYSTEMS, baselines=True)
+    p.add_argument("--caps", "--cap", type=_ints, default=[64], help=f"comma list of output caps from {BURST_CAPS}")
+    p.add_argument("--batch-sizes", "--static-batch-sizes", type=_ints, default=[8, 16, 32, 64], help="HF static batch sizes")
+    _add_common(p, stream_default=False)
+
+    p = sub.add_parser("poisson", help="100 requests, Poisson arrivals; latency at each QPS")
+    _add_target(p, TIMED_SYSTEMS, baselines=False)
+    p.add_argument("--qps", type=_floats, default=[1.0, 4.0, 16.0], help="comma list of request rates")
+    _add_common(p, stream_default=True)
+
+    p = sub.add_parser("random", help="random prompt/output lengths around --input-len/--output-len")
+    _add_target(p, TIMED_SYSTEMS, baselines=False)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L(1-r), L(1+r)]")
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random lengths")
+    _add_common(p, stream_default=True)
+    p.set_defaults(num_requests=None)
+
+    p = sub.add_parser("long-prompt", help="200 requests at 4 QPS, 10%% with 2,048-token prompts")
+    p.add_argument("--url", help="measure a running server; without it, run the colocated/disaggregated suite")
+    p.add_argument("--configs", type=_csv, default=None, help="suite: subset of loadtest.long_prompt.CONFIGS labels")
+    p.add_argument("--transports", type=_csv, default=["object_store", "gloo"], help="suite: KV transfer table")
+    _add_common(p, stream_default=True)
+
+    p = sub.add_parser("policies", help="fcfs / sjf / predicted scheduling on poisson, one fresh server each")
+    p.add_argument("--qps", type=float, default=2.0, help="request rate (the highest one the server sustains)")
+    p.add_argument("--policies", type=_csv, default=list(POLICIES), help="comma list of scheduling policies")
+    p.add_argument("--length-predictor", default=None,
+                   help="predictor JSON for `predicted` (default: the trained one in loadtest/data)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds over the policies (interleaved)")
+    _add_common(p, stream_default=True)
+
+    p = sub.add_parser("train-predictor", help="fit the `predicted` policy's output-length model")
+    p.add_argument("--num-prompts", type=int, default=400, help="poisson-style prompts (the first 100 are held out)")
+    p.add_argument("--lengths", type=Path, default=None, help="reuse lengths collected before (JSON) instead of generating")
+    p.add_argument("--output", type=Path, default=None, help="predictor JSON (default: loadtest/data/length_predictor.json)")
+    p.add_argument("--model", default=None, help="model folder (default: the engine's default model)")
+    p.add_argument("--dtype", default="bfloat16")
+
+    p = sub.add_parser("overhead", help="engine in-process vs `kvrelay serve` on burst and poisson, same run")
+    p.add_argument("--workloads", type=_csv, default=["burst", "poisson"], help="burst and/or poisson")
+    p.add_argument("--cap", type=int, default=64, choices=BURST_CAPS, help="burst: max output length")
+    p.add_argument("--qps", type=float, default=4.0, help="poisson: request rate")
+    p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--model", default=None, help="HF model folder (default: engine default)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+
+    p = sub.add_parser("compare", help="print result files side by side, with ratios")
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--baseline", default=None, help="system or family to take ratios against (default: first run)")
+
+    p = sub.add_parser("plot", help="(re)draw the PNG plots of result files")
+    p.add_argument("files", nargs="+", type=Path)
+    return parser
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def default_model_path() -> str:
+    from workers.model_loader import default_model_path as _default
+
+    return str(_default())
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    """The first model id of ``GET {url}/v1/models``."""
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    req = urllib.request.Request(base + "/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            models = json.loads(resp.read())["data"]
+    except Exception as exc:
+        raise ValueError(f"could not list models at {base}/models ({exc}); pass --model") from None
+    if not models:
+        raise ValueError(f"{base}/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def _is_folder(path: str | None) -> bool:
+    return bool(path) and Path(path).is_dir()
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer or (args.model if _is_folder(args.model) else None) or default_model_path()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _systems(args: argparse.Namespace, allowed: Sequence[str]) -> list[str]:
+    if getattr(args, "url", None):
+        return ["url"]
+    if getattr(args, "offline", False):
+        return ["engine"]
+    if getattr(args, "baseline", None):
+        return [args.baseline]
+    if not getattr(args, "systems", None):
+        raise ValueError("choose what to measure: --url URL, --offline"
+                         + (", --baseline NAME" if "hf-naive" in allowed else "") + " or --systems LIST")
+    unknown = [s for s in args.systems if s not in allowed]
+    if unknown:
+        raise ValueError(f"unknown systems for {args.workload}: {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return list(args.systems)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model if args.model and not getattr(args, "url", None) else None,
+            "dtype": args.dtype, **dict(args.engine_option)}
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+
+
+class Systems:
+    """Lazily built, reused resources of one bench run: the HF model and the local Ray cluster."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.hf_model: Any = None
+        self.cluster: Any = None
+        self.model_name: str | None = None
+        self.apps = 0
+
+    def hf(self) -> Any:
+        if self.hf_model is None:
+            from loadtest.baselines import load_hf_model, warmup_hf
+
+            self.hf_model = load_hf_model(self.args.model or default_model_path(), self.args.dtype)
+            warmup_hf(self.hf_model)
+        return self.hf_model
+
+    def deploy(self, options: dict[str, Any]) -> tuple[str, str]:
+        """A fresh `kvrelay serve` app on the private cluster: (url, app name)."""
+        from loadtest.overhead import LocalCluster
+
+        if self.cluster is None:
+            self.cluster = LocalCluster().__enter__()
+        self.apps += 1
+        name = f"bench{self.apps}"
+        return self.cluster.deploy(name, {k: v for k, v in options.items() if v is not None}), name
+
+    def url_model(self) -> str:
+        if self.model_name is None:
+            self.model_name = self.args.model or served_model(self.args.url, self.args.api_key)
+        return self.model_name
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.__exit__(None, None, None)
+            self.cluster = None
+        self.hf_model = None
+        gc.collect()
+
+
+def http_run(url: str, model: str, requests: Sequence[BenchRequest], args: argparse.Namespace,
+             stream: bool) -> tuple[list[Any], float]:
+    """One untimed warm-up request, then the workload; (results, duration)."""
+    from loadtest.http_client import run_load
+
+    warm = [BenchRequest(requests[0].prompt_token_ids[:8], 2)]
+    asyncio.run(run_load(url, model, warm, stream=stream, api_key=args.api_key, progress=False))
+    return asyncio.run(run_load(url, model, list(requests), stream=stream, api_key=args.api_key,
+                                max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                                burstiness=args.burstiness, seed=args.seed, timeout_s=args.timeout,
+                                progress=args.progress))
+
+
+def timed_run(system: str, requests: Sequence[BenchRequest], args: argparse.Namespace, res: Systems,
+              stream: bool, options: dict[str, Any] | None = None) -> tuple[list[Any], float]:
+    """Per-token-timed run on `engine` (in-process, arrival times honoured), `server` or `url`."""
+    options = options or _engine_options(args)
+    if system == "engine":
+        from loadtest.overhead import run_engine_inprocess
+        from serving import LLM
+
+        llm = LLM(**{k: v for k, v in options.items() if v is not None})  # fresh: no prefix cache from before
+        try:
+            run_engine_inprocess(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])
+            return run_engine_inprocess(llm, requests)
+        finally:
+            del llm
+            gc.collect()
+    if system == "server":
+        url, app = res.deploy(options)
+        try:
+            return http_run(url, report_model_name(), requests, args, stream)
+        finally:
+            from ray import serve
+
+            serve.delete(app)
+    return http_run(args.url, res.url_model(), requests, args, stream)
+
+
+def report_model_name() -> str:
+    from loadtest.overhead import MODEL_NAME
+
+    return MODEL_NAME
+
+
+def _finish(payload: dict[str, Any], path: Path, args: argparse.Namespace, tables: list[str]) -> int:
+    report.write_payload(path, payload)
+    for table in tables:
+        print(table + "\n")
+    if getattr(args, "plot", False):
+        from loadtest.plots import plot_payload
+
+        for png in plot_payload(payload, path):
+            print(f"wrote {png}")
+    print(f"wrote {path}")
+    failed = any(r["metrics"].get("failed") for r in payload["runs"]) or bool(payload.get("errors"))
+    return 1 if failed else 0
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _guarded(payload: dict[str, Any], path: Path, system: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
+    """Run one system; keep the others' numbers if it fails, and rewrite the JSON after each."""
+    try:
+        payload["runs"] += fn()
+    except Exception as exc:  # reported in the JSON and the exit status
+        traceback.print_exc()
+        payload.setdefault("errors", []).append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+    report.write_payload(path, payload)
+
+
+# -- workloads -----------------------------------------------------------------------------------------
+
+def run_burst(args: argparse.Namespace) -> int:
+    from loadtest.workloads import burst_requests
+
+    bad = [c for c in args.caps if c not in BURST_CAPS]
+    if bad:
+        raise ValueError(f"burst caps must be among {BURST_CAPS}, got {bad}")
+    systems = _systems(args, LOCAL_SYSTEMS)
+    tokenizer = _load_tokenizer(args)
+    params = {"caps": args.caps, "systems": systems, "batch_sizes": args.batch_sizes, "num_requests": args.num_requests,
+              "stream": args.stream, "model": args.model, "dtype": args.dtype, "url": args.url,
+              "engine_options": dict(args.engine_option), "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency}
+    payload = report.new_payload("burst", params)
+    path = args.out / f"burst-{_stamp()}.json"
+    res = Systems(args)
+    try:
+        for cap in args.caps:
+            requests = burst_requests(tokenizer, cap)[: args.num_requests or None]
+            prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+            print(f"burst cap {cap}: {len(requests)} requests, {sum(r.output_len for r in requests)} output tokens",
+                  file=sys.stderr)
+            for system in systems:
+                print(f"  {system} ...", file=sys.stderr)
+                _guarded(payload, path, system, lambda s=system: _burst_system(s, cap, requests, prompt_tokens, args, res))
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.burst_table(payload["runs"]), report.static_table(payload["runs"])])
+
+
+def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_tokens: int,
+                  args: argparse.Namespace, res: Systems) -> list[dict[str, Any]]:
+    from loadtest.metrics import summarize
+
+    if system == "hf-naive":
+        from loadtest.baselines import hf_naive
+
+        return [report.run_from_offline(hf_naive(res.hf(), requests, progress=args.progress), "hf-naive", "burst",
+                                        prompt_tokens, cap)]
+    if system == "hf-static":
+        from loadtest.baselines import hf_static
+
+        return [report.run_from_offline(hf_static(res.hf(), requests, bs, progress=args.progress), "hf-static",
+                                        "burst", prompt_tokens, cap) for bs in args.batch_sizes]
+    if system == "engine":
+        from loadtest.offline import run_engine
+        from serving import LLM
+
+        llm = LLM(**{k: v for k, v in _engine_options(args).items() if v is not None})  # fresh per cap
+        try:
+            return [report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine", "burst",
+                                            prompt_tokens, cap)]
+        finally:
+            del llm
+            gc.collect()
+    results, duration = timed_run(system, requests, args, res, args.stream)
+    name = "server" if system == "server" else args.url
+    return [report.run_from_results(name, system, "burst", summarize(results, duration), results, cap=cap,
+                                    extra={"stream": args.stream})]
+
+
+def run_poisson(args: argparse.Namespace) -> int:
+    from loadtest.metrics import summarize
+    from loadtest.workloads import poisson_requests
+
+    systems = _systems(args, TIMED_SYSTEMS)
+    tokenizer = _load_tokenizer(args)
+    params = {"qps": args.qps, "systems": systems, "num_requests": args.num_requests, "stream": args.stream,
+              "model": args.model, "dtype": args.dtype, "url": args.url, "engine_options": dict(args.engine_option)}
+    payload = report.new_payload("poisson", params)
+    path = args.out / f"poisson-{_stamp()}.json"
+    res = Systems(args)
+    try:
+        for qps in args.qps:
+            requests = poisson_requests(tokenizer, qps)[: args.num_requests or None]
+            for system in systems:
+                print(f"poisson QPS {qps:g}: {system} ...", file=sys.stderr)
+
+                def one(s: str = system, q: float = qps, reqs: list = requests) -> list[dict[str, Any]]:
+                    results, duration = timed_run(s, reqs, args, res, args.stream)
+                    name = args.url if s == "url" else s
+                    return [report.run_from_results(name, s, "poisson", summarize(results, duration), results, qps=q,
+                                                    extra=_offered(reqs))]
+
+                _guarded(payload, path, system, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.latency_table(payload["runs"])])
+
+
+def _offered(requests: Sequence[BenchRequest]) -> dict[str, float]:
+    """The offered load: output tokens per second of the arrival process."""
+    span = max(r.arrival_time for r in requests) or 1.0
+    return {"offered_output_tok_s": sum(r.output_len for r in requests) / span}
+
+
+def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float,
+                    seed: int) -> list[BenchRequest]:
+    """Prompts of uniform random length in [L(1-r), L(1+r)] cut from the corpus, likewise for outputs."""
+    from loadtest.workloads import corpus_tokens, prompt_slice
+
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    tokens = corpus_tokens(tokenizer)
+
+    def draw(n: int) -> int:
+        return int(rng.integers(max(1, math.floor(n * (1 - range_ratio))), math.ceil(n * (1 + range_ratio)) + 1))
+
+    out = []
+    for i in range(num):
+        p, o = draw(input_len), draw(output_len)
+        out.append(BenchRequest(prompt_slice(tokens, i, p), o, 0.0))
+    return out
+
+
+def run_random(args: argparse.Namespace) -> int:
+    from loadtest.metrics import format_summary, summarize
+
+    systems = _systems(args, TIMED_SYSTEMS)
+    requests = random_requests(_load_tokenizer(args), args.num_requests or 100, args.input_len, args.output_len,
+                               args.range_ratio, args.dataset_seed)
+    if args.request_rate is not None:  # give the in-process engine the same arrivals as HTTP
+        from loadtest.http_client import arrival_schedule
+
+        times = arrival_schedule(len(requests), args.request_rate, args.burstiness, args.seed)
+        requests = [BenchRequest(r.prompt_token_ids, r.output_len, t) for r, t in zip(requests, times)]
+    params = {k: getattr(args, k) for k in ("input_len", "output_len", "range_ratio", "dataset_seed", "request_rate",
+                                             "burstiness", "max_concurrency", "stream", "url", "model")}
+    params.update(num_requests=len(requests), systems=systems)
+    payload = report.new_payload("random", params)
+    path = args.out / f"random-{_stamp()}.json"
+    res = Systems(args)
+    summaries = []
+    try:
+        for system in systems:
+            def one(s: str = system) -> list[dict[str, Any]]:
+                results, duration = timed_run(s, requests, args, res, args.stream)
+                summary = summarize(results, duration)
+                summaries.append(f"{s}\n{format_summary(summary)}")
+                return [report.run_from_results(args.url if s == "url" else s, s, "random", summary, results,
+                                                qps=args.request_rate)]
+
+            _guarded(payload, path, system, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, summaries)
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    from loadtest.metrics import summarize
+    from loadtest.predictor import DEFAULT_PREDICTOR
+    from loadtest.workloads import poisson_requests
+
+    unknown = [p for p in args.policies if p not in ("fcfs", "priority", "sjf", "predicted")]
+    if unknown:
+        raise ValueError(f"unknown policies: {', '.join(unknown)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    predictor = Path(args.length_predictor or DEFAULT_PREDICTOR).resolve()
+    if "predicted" in args.policies and not predictor.is_file():
+        raise ValueError(f"no length predictor at {predictor}; run `kvrelay bench train-predictor` first")
+    requests = poisson_requests(_load_tokenizer(args), args.qps)[: args.num_requests or None]
+    params = {"qps": args.qps, "policies": args.policies, "repeats": args.repeats, "length_predictor": str(predictor),
+              "num_requests": len(requests), "stream": args.stream, "model": args.model, "dtype": args.dtype,
+              "engine_options": dict(args.engine_option)}
+    payload = report.new_payload("policies", params)
+    path = args.out / f"policies-{_stamp()}.json"
+    res = Systems(args)
+    try:
+        for round_ in range(args.repeats):
+            for policy in args.policies:
+                print(f"policies QPS {args.qps:g}: {policy} (round {round_ + 1})", file=sys.stderr)
+                options = {**_engine_options(args), "scheduling_policy": policy}
+                if policy == "predicted":
+                    options["length_predictor"] = str(predictor)
+
+                def one(p: str = policy, o: dict = options, r: int = round_) -> list[dict[str, Any]]:
+                    results, duration = timed_run("server", requests, args, res, args.stream, o)
+                    run = report.run_from_results("server", "server", "poisson", summarize(results, duration), results,
+                                                  qps=args.qps, extra={"round": r, **_offered(requests)})
+                    run["policy"] = p
+                    return [run]
+
+                _guarded(payload, path, policy, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.latency_table(payload["runs"]), report.policy_table(payload["runs"])])
+
+
+def run_long_prompt(args: argparse.Namespace) -> int:
+    from loadtest import long_prompt
+    from loadtest.workloads import corpus_tokens, long_prompt_requests
+
+    tokenizer = _load_tokenizer(args)
+    if args.url:
+        from loadtest.metrics import summarize
+
+        requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
+        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests)})
+        path = args.out / f"long-prompt-{_stamp()}.json"
+        res = Systems(args)
+        results, duration = timed_run("url", requests, args, res, args.stream)
+        run = report.run_from_results(args.url, "url", "long-prompt", summarize(results, duration), results,
+                                      extra=long_prompt.split_stats(results, requests))
+        payload["runs"].append(run)
+        s, lg = run["extra"]["short"], run["extra"]["long"]
+        table = (f"short: TTFT p50 {s['ttft_p50_ms']:.0f} ms, p95 {s['ttft_p95_ms']:.0f} ms, ITL p95 {s['itl_p95_ms']:.0f} ms\n"
+                 f"long:  TTFT p50 {lg['ttft_p50_ms']:.0f} ms, p95 {lg['ttft_p95_ms']:.0f} ms, ITL p95 {lg['itl_p95_ms']:.0f} ms")
+        return _finish(payload, path, args, [table])
+    from loadtest.results import git_commit, loadavg, write_json
+
+    payload = {"workload": "long-prompt", "parameters": {k: str(v) for k, v in vars(args).items()},
+               "git_commit": git_commit(), "loadavg_start": loadavg()}
+    payload.update(long_prompt.run(tokenizer, corpus_tokens(tokenizer), args.transports, args.configs,
+                                   args.num_requests))
+    payload["loadavg_end"] = loadavg()
+    path = args.out / f"long-prompt-{_stamp()}.json"
+    write_json(path, payload)
+    print(long_prompt.format_tables(payload))
+    print(f"wrote {path}")
+    return 0 if all(r["failed"] == 0 for r in payload["long_prompt"]) else 1
+
+
+def run_train_predictor(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from loadtest.predictor import DEFAULT_PREDICTOR, collect_lengths, format_report, train
+    from loadtest.workloads import poisson_requests
+
+    model = args.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    output = args.output or DEFAULT_PREDICTOR
+    lengths_path = output.with_name(output.stem + "-lengths.json")
+    if args.lengths:
+        data = json.loads(args.lengths.read_text(encoding="utf-8"))
+        data["prompts"] = [r.prompt_token_ids for r in poisson_requests(tokenizer, 1.0, num_requests=len(data["lengths"]))]
+    else:
+        from serving import LLM
+
+        data = collect_lengths(LLM(model=model, dtype=args.dtype), tokenizer, args.num_prompts)
+        lengths_path.parent.mkdir(parents=True, exist_ok=True)
+        lengths_path.write_text(json.dumps({k: v for k, v in data.items() if k != "prompts"}) + "\n", encoding="utf-8")
+        print(f"wrote {lengths_path}")
+    predictor, result = train(data)
+    predictor.save(output)
+    print(format_report(result))
+    print(f"wrote {output}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    payloads = [(f.stem, report.load_payload(f)) for f in args.files]
+    print(report.compare_table(payloads, args.baseline))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from loadtest.plots import plot_payload
+
+    for f in args.files:
+        for png in plot_payload(report.load_payload(f), f):
+            print(f"wrote {png}")
+    return 0
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from loadtest.overhead import run_overhead as _run
+
+    args.model = args.model or default_model_path()
+    return _run(args, AutoTokenizer.from_pretrained(args.model))
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "burst": run_burst, "poisson": run_poisson, "random": run_random, "long-prompt": run_long_prompt,
+    "policies": run_policies, "train-predictor": run_train_predictor, "overhead": run_overhead,
+    "compare": run_compare, "plot": run_plot,
+}
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "kvrelay bench") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if hasattr(args, "request_rate"):
+        try:
+            _validate(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.workload not in ("compare", "plot"):
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return RUNNERS[args.workload](args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""`kvrelay bench`: each target writes a result JSON (and PNG plots), tables and `compare` do the right
+arithmetic, and bad command lines fail with a clear message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import bench, report
+from loadtest.workloads import burst_output_lens
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def only_json(folder: Path) -> dict[str, Any]:
+    files = list(folder.glob("*.json"))
+    assert len(files) == 1, files
+    return report.load_payload(files[0])
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), path
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 5_000, path
+
+
+def test_burst_offline_systems_write_json_and_plots(tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+    rc = bench.main(["burst", "--systems", "hf-naive,hf-static,engine", "--caps", "16", "--num-requests", "6",
+                     "--batch-sizes", "2,4", "--model", tiny_model_dir, "--dtype", "float32", "--out", str(tmp_path),
+                     "--engine-option", "kv_cache_memory=64MiB", "--plot", "--no-progress"])
+    assert rc == 0
+    payload = only_json(tmp_path)
+    assert payload["workload"] == "burst" and payload["git_commit"] and len(payload["loadavg_start"]) == 3
+    assert [r["system"] for r in payload["runs"]] == ["hf-naive", "hf-static-2", "hf-static-4", "engine"]
+    want = burst_output_lens(16)[:6]
+    for run in payload["runs"]:
+        m = run["metrics"]
+        assert run["cap"] == 16 and m["completed"] == 6 and m["failed"] == 0
+        assert m["total_output_tokens"] == sum(want)
+        assert m["output_throughput"] == pytest.approx(sum(want) / m["duration"])
+    static4 = payload["runs"][2]["metrics"]
+    padded = 4 * max(want[:4]) + 2 * max(want[4:])
+    assert static4["generated_tokens"] == padded
+    assert static4["padding_waste"] == pytest.approx(1 - sum(want) / padded)
+    out = capsys.readouterr().out
+    assert "× naive" in out and "kvrelay engine (offline)" in out
+    stem = next(tmp_path.glob("*.json")).stem
+    assert_png(tmp_path / f"{stem}-throughput.png")
+    assert_png(tmp_path / f"{stem}-relative.png")
+
+
+def test_poisson_offline_engine_times_every_request(tiny_model_dir: str, tmp_path: Path) -> None:
+    rc = bench.main(["poisson", "--offline", "--qps", "40", "--num-requests", "8", "--model", tiny_model_dir,
+                     "--dtype", "float32", "--engine-option", "kv_cache_memory=64MiB", "--out", str(tmp_path),
+                     "--plot", "--no-progress"])
+    assert rc == 0
+    payload = only_json(tmp_path)
+    (run,) = payload["runs"]
+    assert run["family"] == "engine" and run["qps"] == 40 and run["metrics"]["completed"] == 8
+    ttft, e2el = run["samples"]["ttft"], run["samples"]["e2el"]
+    assert len(ttft) == len(e2el) == 8 and all(0 < t <= e for t, e in zip(ttft, e2el))
+    assert_png(tmp_path / f"{next(tmp_path.glob('*.json')).stem}-cdf.png")
+
+
+def test_poisson_and_compare_against_a_real_server(deploy_app, tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+    url = deploy_app("bench", model=tiny_model_dir, dtype="float32")
+    runs = []
+    for qps, sub in ((30.0, "a"), (60.0, "b")):
+        out = tmp_path / sub
+        rc = bench.main(["poisson", "--url", url, "--qps", str(qps), "--num-requests", "10", "--tokenizer",
+                         tiny_model_dir, "--out", str(out), "--no-progress"])
+        assert rc == 0
+        payload = only_json(out)
+        (run,) = payload["runs"]
+        m = run["metrics"]
+        assert run["family"] == "url" and m["completed"] == 10 and m["failed"] == 0
+        assert m["total_output_tokens"] == sum(r["output_len"] for r in _poisson_lens(tiny_model_dir, qps)[:10])
+        assert all(0 < t <= e for t, e in zip(run["samples"]["ttft"], run["samples"]["e2el"]))
+        runs.append(next(out.glob("*.json")))
+    capsys.readouterr()
+    assert bench.main(["compare", *map(str, runs)]) == 0
+    table = capsys.readouterr().out
+    assert "QPS 30" in table and "QPS 60" in table and table.count("| 1.00 |") >= 2
+
+
+def _poisson_lens(tokenizer_dir: str, qps: float) -> list[dict[str, int]]:
+    from transformers import AutoTokenizer
+
+    from loadtest.workloads import poisson_requests
+
+    reqs = poisson_requests(AutoTokenizer.from_pretrained(tokenizer_dir), qps)
+    return [{"output_len": r.output_len} for r in reqs]
+
+
+def run_record(system: str, family: str, tok_s: float, cap: int | None = 64, qps: float | None = None,
+               e2e_ms: float | None = None, **extra: Any) -> dict[str, Any]:
+    metrics = {"output_throughput": tok_s, "request_throughput": tok_s / 10, "duration": 100.0, "failed": 0}
+    if e2e_ms is not None:
+        metrics.update(mean_e2el_ms=e2e_ms, median_ttft_ms=10.0, p95_ttft_ms=20.0)
+    return {"system": system, "family": family, "workload": "burst" if cap else "poisson", "cap": cap, "qps": qps,
+            "metrics": metrics, "samples": {"e2el": [1.0], "ttft": [0.1]} if e2e_ms else {}, "extra": extra}
+
+
+def test_burst_table_picks_the_best_static_batch_and_takes_ratios() -> None:
+    runs = [run_record("hf-naive", "hf-naive", 20.0), run_record("hf-static-8", "hf-static", 40.0, batch_size=8),
+            run_record("hf-static-32", "hf-static", 50.0, batch_size=32), run_record("engine", "engine", 150.0)]
+    assert report.best_of_family(runs, "hf-static")["system"] == "hf-static-32"
+    table = report.burst_table(runs)
+    engine_row = next(line for line in table.splitlines() if "engine" in line)
+    assert "| 150.0 |" in engine_row and "| 7.50 | 3.00 |" in engine_row
+    assert "HF static, batch 32" in table and "batch 8" not in table
+
+
+def test_compare_takes_ratios_within_each_group(tmp_path: Path) -> None:
+    a = {"format": report.FORMAT, "workload": "poisson",
+         "runs": [run_record("engine", "engine", 100.0, cap=None, qps=4.0, e2e_ms=2000.0)]}
+    b = {"format": report.FORMAT, "workload": "poisson",
+         "runs": [run_record("server", "server", 80.0, cap=None, qps=4.0, e2e_ms=3000.0),
+                  run_record("server", "server", 10.0, cap=None, qps=1.0, e2e_ms=1000.0)]}
+    by = _cells(report.compare_table([("a", a), ("b", b)]))
+    assert by[("QPS 4", "engine (a)")][4] == "1.00"
+    assert by[("QPS 4", "server (b)")][4] == "0.80" and by[("QPS 4", "server (b)")][8] == "1.50"
+    assert by[("QPS 1", "server (b)")][4] == "1.00"  # alone in its group: its own baseline
+    by = _cells(report.compare_table([("a", a), ("b", b)], baseline="server"))
+    assert by[("QPS 4", "engine (a)")][4] == "1.25"
+
+
+def _cells(table: str) -> dict[tuple[str, str], list[str]]:
+    """Rows of a compare table keyed by (param, system): workload, param, system, tok/s, × tok/s, ..., × e2e."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {(r[1], r[2]): r for r in rows}
+
+
+def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"hello": 1}))
+    assert bench.main(["compare", str(bad)]) == 2
+    assert "not a kvrelay bench result" in capsys.readouterr().err
+    assert bench.main(["compare", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["burst"], "choose what to measure"),
+    (["burst", "--systems", "engine,vllm"], "unknown systems"),
+    (["poisson", "--systems", "hf-naive"], "unknown systems"),
+    (["burst", "--offline", "--caps", "32"], "burst caps"),
+    (["burst", "--offline", "--num-requests", "0"], "--num-requests"),
+    (["poisson", "--offline", "--request-rate", "-1"], "--request-rate"),
+    (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
+])
+def test_bad_command_lines_fail_clearly(argv: list[str], needle: str, capsys) -> None:
+    assert bench.main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_kvrelay_cli_dispatches_to_bench(capsys) -> None:
+    from serving.cli import main
+
+    assert main(["bench", "burst"]) == 2
+    assert "choose what to measure" in capsys.readouterr().err
+
+
+def test_random_requests_are_seeded_and_within_range(tokenizer) -> None:
+    a = bench.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
+    b = bench.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
+    assert a == b
+    assert all(75 <= len(r.prompt_token_ids) <= 125 and 30 <= r.output_len <= 50 for r in a)
+    assert len({len(r.prompt_token_ids) for r in a}) > 5
+    fixed = bench.random_requests(tokenizer, 5, 16, 8, 0.0, seed=0)
+    assert {(len(r.prompt_token_ids), r.output_len) for r in fixed} == {(16, 8)}
