@@ -19,4 +19,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m loadtest burst --cap 64 --systems engine,hf-static --static-batch-sizes 32 --out results/ $(ARGS)
+	$(VENV)/bin/kvrelay bench burst --caps 64 --systems engine,hf-static --batch-sizes 32 --out results/ --plot $(ARGS)

@@ -331,6 +331,18 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def _run_order(systems: Sequence[str], params: Sequence[Any]) -> list[tuple[str, Any]]:
+    """(system, cap or QPS) pairs: in-process systems first, for every parameter, then `server` for every
+    parameter, so the local Ray cluster (started by the first server run) never idles beside the others."""
+    pairs = [(s, p) for p in params for s in systems if s != "server"]
+    return pairs + [("server", p) for p in params if "server" in systems]
+
+
+def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path, Systems]:
+    """A new result payload, the path it will be written to, and the run's lazily built systems."""
+    return report.new_payload(workload, params, args.argv), args.out / f"{workload}-{_stamp()}.json", Systems(args)
+
+
 def _guarded(payload: dict[str, Any], path: Path, system: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
     """Run one system; keep the others' numbers if it fails, and rewrite the JSON after each."""
     try:
@@ -355,18 +367,16 @@ def run_burst(args: argparse.Namespace) -> int:
               "stream": args.stream, "model": args.model, "dtype": args.dtype, "url": args.url,
               "engine_options": dict(args.engine_option), "request_rate": args.request_rate,
               "max_concurrency": args.max_concurrency}
-    payload = report.new_payload("burst", params)
-    path = args.out / f"burst-{_stamp()}.json"
-    res = Systems(args)
+    payload, path, res = _begin(args, "burst", params)
     try:
-        for cap in args.caps:
-            requests = burst_requests(tokenizer, cap)[: args.num_requests or None]
+        workloads = {cap: burst_requests(tokenizer, cap)[: args.num_requests or None] for cap in args.caps}
+        for system, cap in _run_order(systems, args.caps):
+            requests = workloads[cap]
+            print(f"burst cap {cap} ({len(requests)} requests, {sum(r.output_len for r in requests)} output tokens): "
+                  f"{system} ...", file=sys.stderr)
             prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-            print(f"burst cap {cap}: {len(requests)} requests, {sum(r.output_len for r in requests)} output tokens",
-                  file=sys.stderr)
-            for system in systems:
-                print(f"  {system} ...", file=sys.stderr)
-                _guarded(payload, path, system, lambda s=system: _burst_system(s, cap, requests, prompt_tokens, args, res))
+            _guarded(payload, path, system,
+                     lambda s=system, c=cap, reqs=requests, n=prompt_tokens: _burst_system(s, c, reqs, n, args, res))
     finally:
         res.close()
     return _finish(payload, path, args, [report.burst_table(payload["runs"]), report.static_table(payload["runs"])])
@@ -411,22 +421,19 @@ def run_poisson(args: argparse.Namespace) -> int:
     tokenizer = _load_tokenizer(args)
     params = {"qps": args.qps, "systems": systems, "num_requests": args.num_requests, "stream": args.stream,
               "model": args.model, "dtype": args.dtype, "url": args.url, "engine_options": dict(args.engine_option)}
-    payload = report.new_payload("poisson", params)
-    path = args.out / f"poisson-{_stamp()}.json"
-    res = Systems(args)
+    payload, path, res = _begin(args, "poisson", params)
     try:
-        for qps in args.qps:
-            requests = poisson_requests(tokenizer, qps)[: args.num_requests or None]
-            for system in systems:
-                print(f"poisson QPS {qps:g}: {system} ...", file=sys.stderr)
+        workloads = {qps: poisson_requests(tokenizer, qps)[: args.num_requests or None] for qps in args.qps}
+        for system, qps in _run_order(systems, args.qps):
+            print(f"poisson QPS {qps:g}: {system} ...", file=sys.stderr)
 
-                def one(s: str = system, q: float = qps, reqs: list = requests) -> list[dict[str, Any]]:
-                    results, duration = timed_run(s, reqs, args, res, args.stream)
-                    name = args.url if s == "url" else s
-                    return [report.run_from_results(name, s, "poisson", summarize(results, duration), results, qps=q,
-                                                    extra=_offered(reqs))]
+            def one(s: str = system, q: float = qps) -> list[dict[str, Any]]:
+                results, duration = timed_run(s, workloads[q], args, res, args.stream)
+                name = args.url if s == "url" else s
+                return [report.run_from_results(name, s, "poisson", summarize(results, duration), results, qps=q,
+                                                extra=_offered(workloads[q]))]
 
-                _guarded(payload, path, system, one)
+            _guarded(payload, path, system, one)
     finally:
         res.close()
     return _finish(payload, path, args, [report.latency_table(payload["runs"])])
@@ -474,9 +481,7 @@ def run_random(args: argparse.Namespace) -> int:
     params = {k: getattr(args, k) for k in ("input_len", "output_len", "range_ratio", "dataset_seed", "request_rate",
                                              "burstiness", "max_concurrency", "stream", "url", "model")}
     params.update(num_requests=len(requests), systems=systems)
-    payload = report.new_payload("random", params)
-    path = args.out / f"random-{_stamp()}.json"
-    res = Systems(args)
+    payload, path, res = _begin(args, "random", params)
     summaries = []
     try:
         for system in systems:
@@ -510,9 +515,7 @@ def run_policies(args: argparse.Namespace) -> int:
     params = {"qps": args.qps, "policies": args.policies, "repeats": args.repeats, "length_predictor": str(predictor),
               "num_requests": len(requests), "stream": args.stream, "model": args.model, "dtype": args.dtype,
               "engine_options": dict(args.engine_option)}
-    payload = report.new_payload("policies", params)
-    path = args.out / f"policies-{_stamp()}.json"
-    res = Systems(args)
+    payload, path, res = _begin(args, "policies", params)
     try:
         for round_ in range(args.repeats):
             for policy in args.policies:
@@ -543,7 +546,7 @@ def run_long_prompt(args: argparse.Namespace) -> int:
         from loadtest.metrics import summarize
 
         requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
-        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests)})
+        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests)}, args.argv)
         path = args.out / f"long-prompt-{_stamp()}.json"
         res = Systems(args)
         results, duration = timed_run("url", requests, args, res, args.stream)
@@ -627,7 +630,9 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvrelay bench") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(prog).parse_args(argv)
+    args.argv = argv
     if hasattr(args, "request_rate"):
         try:
             _validate(args)

@@ -23,11 +23,6 @@ def _pyplot():
     return plt
 
 
-def _bar_label(run: dict[str, Any]) -> str:
-    label = SYSTEM_LABELS[run["family"]]
-    return label + f" (best: {run['extra']['batch_size']})" if run["family"] == "hf-static" else label
-
-
 def plot_burst(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str) -> list[Path]:
     """`{stem}-throughput.png` (output tok/s per system and cap) and `{stem}-relative.png` (× HF static)."""
     plt = _pyplot()
@@ -77,6 +72,8 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str, 
     """`{stem}-cdf.png`: TTFT (top) and end-to-end latency (bottom) CDFs, one column per request rate,
     one line per system (or policy)."""
     plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+
     timed = [r for r in runs if r["samples"].get("e2el")]
     if not timed:
         return []
@@ -94,6 +91,7 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str, 
             ax.set_xlabel(name)
             ax.set_ylabel("fraction of requests")
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.grid(alpha=0.3, which="both")
             ax.set_title(f"QPS {qps:g}" if qps is not None else "")
         axes[0][col].legend(fontsize=7, loc="lower right")
@@ -109,8 +107,8 @@ def plot_payload(payload: dict[str, Any], json_path: Path) -> list[Path]:
     """Every plot that suits the file's workload, written next to it with the same stem."""
     stem, out_dir, runs = json_path.stem, json_path.parent, payload["runs"]
     paths: list[Path] = []
-    if any(r.get("cap") is not None for r in runs):
-        paths += plot_burst([r for r in runs if r.get("cap") is not None], out_dir, stem)
+    if payload["workload"] == "burst":  # throughput only: all requests arrive at once
+        return plot_burst(runs, out_dir, stem)
     title = {"poisson": "poisson: latency CDFs per system and QPS",
              "policies": "poisson: latency CDFs per scheduling policy"}.get(payload["workload"], payload["workload"])
     paths += plot_latency_cdfs(runs, out_dir, stem, title)

@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -29,13 +28,13 @@ SYSTEM_LABELS = {"hf-naive": "HF naive", "hf-static": "HF static", "engine": "kv
                  "server": "kvrelay serve (HTTP)", "url": "server at --url"}
 
 
-def new_payload(workload: str, parameters: dict[str, Any], argv: Sequence[str] | None = None) -> dict[str, Any]:
+def new_payload(workload: str, parameters: dict[str, Any], argv: Sequence[str]) -> dict[str, Any]:
     """The header of a result file; `runs` fills in as systems finish."""
     import torch
 
     return {
         "format": FORMAT, "workload": workload,
-        "command": "kvrelay bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": "kvrelay bench " + shlex.join(argv),
         "parameters": parameters, "git_commit": git_commit(),
         "host": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
                  "torch": torch.__version__, "torch_threads": torch.get_num_threads()},

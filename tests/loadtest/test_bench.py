@@ -3,7 +3,11 @@ arithmetic, and bad command lines fail with a clear message."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +175,104 @@ def test_random_requests_are_seeded_and_within_range(tokenizer) -> None:
     assert len({len(r.prompt_token_ids) for r in a}) > 5
     fixed = bench.random_requests(tokenizer, 5, 16, 8, 0.0, seed=0)
     assert {(len(r.prompt_token_ids), r.output_len) for r in fixed} == {(16, 8)}
+
+
+@contextmanager
+def fake_server() -> Iterator[tuple[Any, str]]:
+    """The imitation `/v1/completions` server of test_http_client, on its own event loop in a thread (the
+    bench CLI runs its own `asyncio.run`)."""
+    from test_http_client import serve
+
+    loop = asyncio.new_event_loop()
+    state: dict[str, Any] = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        state["stop"] = asyncio.Event()
+        async with serve() as (server, url):
+            state.update(server=server, url=url)
+            ready.set()
+            await state["stop"].wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield state["server"], state["url"]
+    finally:
+        loop.call_soon_threadsafe(state["stop"].set)
+        thread.join(10)
+        loop.close()
+
+
+def test_burst_against_a_url_sends_the_workload_unstreamed(tmp_path: Path, default_model_dir: str) -> None:
+    with fake_server() as (server, url):
+        rc = bench.main(["burst", "--url", url, "--model", "m", "--caps", "16", "--num-requests", "6",
+                         "--out", str(tmp_path), "--plot", "--no-progress"])
+    assert rc == 0
+    (run,) = only_json(tmp_path)["runs"]
+    want = burst_output_lens(16)[:6]
+    assert run["family"] == "url" and run["metrics"]["completed"] == 6
+    assert run["metrics"]["total_output_tokens"] == sum(want)
+    bodies = server.bodies[1:]  # the first is the warm-up
+    assert [b["max_tokens"] for b in bodies] == want and not any(b["stream"] for b in bodies)
+    assert all(len(b["prompt"]) == 128 and b["ignore_eos"] for b in bodies)
+    assert_png(tmp_path / f"{next(tmp_path.glob('*.json')).stem}-throughput.png")
+
+
+def test_random_workload_honours_rate_and_concurrency(tmp_path: Path, default_model_dir: str, capsys) -> None:
+    with fake_server() as (server, url):
+        rc = bench.main(["random", "--url", url, "--model", "m", "--num-requests", "20", "--input-len", "50",
+                         "--output-len", "10", "--range-ratio", "0.5", "--request-rate", "200", "--burstiness", "0.5",
+                         "--max-concurrency", "3", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    (run,) = only_json(tmp_path)["runs"]
+    assert run["metrics"]["completed"] == 20 and run["qps"] == 200
+    assert server.max_in_flight <= 3
+    assert all(25 <= len(b["prompt"]) <= 75 and 5 <= b["max_tokens"] <= 15 for b in server.bodies[1:])
+    assert "Successful requests" in capsys.readouterr().out
+
+
+def test_failed_requests_are_counted_and_fail_the_run(tmp_path: Path, default_model_dir: str) -> None:
+    with fake_server() as (_, url):
+        rc = bench.main(["poisson", "--url", url + "/bad", "--model", "m", "--qps", "100", "--num-requests", "5",
+                         "--out", str(tmp_path), "--no-progress"])
+    assert rc == 1
+    (run,) = only_json(tmp_path)["runs"]
+    assert run["metrics"]["failed"] == 5 and run["metrics"]["completed"] == 0
+    assert run["metrics"]["errors"] == {"HTTP 503: server overloaded": 5}
+
+
+def test_long_prompt_against_a_url_splits_short_and_long(tmp_path: Path, default_model_dir: str) -> None:
+    with fake_server() as (server, url):
+        rc = bench.main(["long-prompt", "--url", url, "--model", "m", "--num-requests", "12", "--out", str(tmp_path),
+                         "--no-progress"])
+    assert rc == 0
+    (run,) = only_json(tmp_path)["runs"]
+    n_long = sum(len(b["prompt"]) == 2048 for b in server.bodies[1:])
+    assert run["extra"]["long"]["completed"] == n_long and run["extra"]["short"]["completed"] == 12 - n_long
+
+
+def test_train_predictor_generates_lengths_fits_and_saves(tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+    from workers.length_predictor import LinearLengthPredictor
+
+    out = tmp_path / "pred.json"
+    rc = bench.main(["train-predictor", "--model", tiny_model_dir, "--dtype", "float32", "--num-prompts", "110",
+                     "--output", str(out)])
+    assert rc == 0
+    lengths = json.loads((tmp_path / "pred-lengths.json").read_text())
+    assert len(lengths["lengths"]) == 110 and all(1 <= n <= 384 for n in lengths["lengths"])
+    predictor = LinearLengthPredictor.load(out)
+    assert predictor.meta["report"]["num_train"] == 10 and predictor.meta["report"]["num_held_out"] == 100
+    assert "| predictor |" in capsys.readouterr().out
+    # refit from the saved lengths: same data, same model
+    again = tmp_path / "again.json"
+    assert bench.main(["train-predictor", "--model", tiny_model_dir, "--lengths", str(tmp_path / "pred-lengths.json"),
+                       "--output", str(again)]) == 0
+    assert LinearLengthPredictor.load(again).weights == pytest.approx(predictor.weights)
+
+
+def test_servers_run_after_every_in_process_system() -> None:
+    order = bench._run_order(["hf-naive", "server", "engine"], [16, 64])
+    assert order == [("hf-naive", 16), ("engine", 16), ("hf-naive", 64), ("engine", 64), ("server", 16), ("server", 64)]
+    assert bench._run_order(["url"], [1.0]) == [("url", 1.0)]
