@@ -1,0 +1,478 @@
+"""The systems and workload runners behind `kvrelay bench` (the command line is in loadtest/bench.py):
+HF baselines, our engine in-process, a fresh `kvrelay serve` on a private Ray cluster, or a server at a
+URL; each runner writes one result JSON (loadtest/report.py) and optionally its plots."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import math
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from loadtest import report
+from loadtest.workloads import BURST_CAPS, BenchRequest
+
+
+LOCAL_SYSTEMS = ("hf-naive", "hf-static", "engine", "server")
+TIMED_SYSTEMS = ("engine", "server")  # systems with per-token timings (poisson, random, policies)
+POLICIES = ("fcfs", "sjf", "predicted")
+
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def default_model_path() -> str:
+    from workers.model_loader import default_model_path as _default
+
+    return str(_default())
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    """The first model id of ``GET {url}/v1/models``."""
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    req = urllib.request.Request(base + "/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            models = json.loads(resp.read())["data"]
+    except Exception as exc:
+        raise ValueError(f"could not list models at {base}/models ({exc}); pass --model") from None
+    if not models:
+        raise ValueError(f"{base}/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def _is_folder(path: str | None) -> bool:
+    return bool(path) and Path(path).is_dir()
+
+
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer or (args.model if _is_folder(args.model) else None) or default_model_path()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _systems(args: argparse.Namespace, allowed: Sequence[str]) -> list[str]:
+    if getattr(args, "url", None):
+        return ["url"]
+    if getattr(args, "offline", False):
+        return ["engine"]
+    if getattr(args, "baseline", None):
+        return [args.baseline]
+    if not getattr(args, "systems", None):
+        raise ValueError("choose what to measure: --url URL, --offline"
+                         + (", --baseline NAME" if "hf-naive" in allowed else "") + " or --systems LIST")
+    unknown = [s for s in args.systems if s not in allowed]
+    if unknown:
+        raise ValueError(f"unknown systems for {args.workload}: {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return list(args.systems)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model if args.model and not getattr(args, "url", None) else None,
+            "dtype": args.dtype, **dict(args.engine_option)}
+
+
+class Systems:
+    """Lazily built, reused resources of one bench run: the HF model and the local Ray cluster."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.hf_model: Any = None
+        self.cluster: Any = None
+        self.model_name: str | None = None
+        self.apps = 0
+
+    def hf(self) -> Any:
+        if self.hf_model is None:
+            from loadtest.baselines import load_hf_model, warmup_hf
+
+            self.hf_model = load_hf_model(self.args.model or default_model_path(), self.args.dtype)
+            warmup_hf(self.hf_model)
+        return self.hf_model
+
+    def deploy(self, options: dict[str, Any]) -> tuple[str, str]:
+        """A fresh `kvrelay serve` app on the private cluster: (url, app name)."""
+        from loadtest.overhead import LocalCluster
+
+        if self.cluster is None:
+            self.cluster = LocalCluster().__enter__()
+        self.apps += 1
+        name = f"bench{self.apps}"
+        return self.cluster.deploy(name, {k: v for k, v in options.items() if v is not None}), name
+
+    def url_model(self) -> str:
+        if self.model_name is None:
+            self.model_name = self.args.model or served_model(self.args.url, self.args.api_key)
+        return self.model_name
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.__exit__(None, None, None)
+            self.cluster = None
+        self.hf_model = None
+        gc.collect()
+
+
+def http_run(url: str, model: str, requests: Sequence[BenchRequest], args: argparse.Namespace,
+             stream: bool) -> tuple[list[Any], float]:
+    """One untimed warm-up request, then the workload; (results, duration)."""
+    from loadtest.http_client import run_load
+
+    warm = [BenchRequest(requests[0].prompt_token_ids[:8], 2)]
+    asyncio.run(run_load(url, model, warm, stream=stream, api_key=args.api_key, progress=False))
+    return asyncio.run(run_load(url, model, list(requests), stream=stream, api_key=args.api_key,
+                                max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                                burstiness=args.burstiness, seed=args.seed, timeout_s=args.timeout,
+                                progress=args.progress))
+
+
+def timed_run(system: str, requests: Sequence[BenchRequest], args: argparse.Namespace, res: Systems,
+              stream: bool, options: dict[str, Any] | None = None) -> tuple[list[Any], float]:
+    """Per-token-timed run on `engine` (in-process, arrival times honoured), `server` or `url`."""
+    options = options or _engine_options(args)
+    if system == "engine":
+        from loadtest.overhead import run_engine_inprocess
+        from serving import LLM
+
+        llm = LLM(**{k: v for k, v in options.items() if v is not None})  # fresh: no prefix cache from before
+        try:
+            run_engine_inprocess(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])
+            return run_engine_inprocess(llm, requests)
+        finally:
+            del llm
+            gc.collect()
+    if system == "server":
+        url, app = res.deploy(options)
+        try:
+            return http_run(url, report_model_name(), requests, args, stream)
+        finally:
+            from ray import serve
+
+            serve.delete(app)
+    return http_run(args.url, res.url_model(), requests, args, stream)
+
+
+def report_model_name() -> str:
+    from loadtest.overhead import MODEL_NAME
+
+    return MODEL_NAME
+
+
+def _finish(payload: dict[str, Any], path: Path, args: argparse.Namespace, tables: list[str]) -> int:
+    report.write_payload(path, payload)
+    for table in tables:
+        print(table + "\n")
+    if getattr(args, "plot", False):
+        from loadtest.plots import plot_payload
+
+        for png in plot_payload(payload, path):
+            print(f"wrote {png}")
+    print(f"wrote {path}")
+    failed = any(r["metrics"].get("failed") for r in payload["runs"]) or bool(payload.get("errors"))
+    return 1 if failed else 0
+
+
+def _stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _run_order(systems: Sequence[str], params: Sequence[Any]) -> list[tuple[str, Any]]:
+    """(system, cap or QPS) pairs: in-process systems first, for every parameter, then `server` for every
+    parameter, so the local Ray cluster (started by the first server run) never idles beside the others."""
+    pairs = [(s, p) for p in params for s in systems if s != "server"]
+    return pairs + [("server", p) for p in params if "server" in systems]
+
+
+def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path, Systems]:
+    """A new result payload, the path it will be written to, and the run's lazily built systems."""
+    return report.new_payload(workload, params, args.argv), args.out / f"{workload}-{_stamp()}.json", Systems(args)
+
+
+def _guarded(payload: dict[str, Any], path: Path, system: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
+    """Run one system; keep the others' numbers if it fails, and rewrite the JSON after each."""
+    try:
+        payload["runs"] += fn()
+    except Exception as exc:  # reported in the JSON and the exit status
+        traceback.print_exc()
+        payload.setdefault("errors", []).append({"system": system, "error": f"{type(exc).__name__}: {exc}"})
+    report.write_payload(path, payload)
+
+
+# -- workloads -----------------------------------------------------------------------------------------
+
+def run_burst(args: argparse.Namespace) -> int:
+    from loadtest.workloads import burst_requests
+
+    bad = [c for c in args.caps if c not in BURST_CAPS]
+    if bad:
+        raise ValueError(f"burst caps must be among {BURST_CAPS}, got {bad}")
+    systems = _systems(args, LOCAL_SYSTEMS)
+    tokenizer = _load_tokenizer(args)
+    params = {"caps": args.caps, "systems": systems, "batch_sizes": args.batch_sizes, "num_requests": args.num_requests,
+              "stream": args.stream, "model": args.model, "dtype": args.dtype, "url": args.url,
+              "engine_options": dict(args.engine_option), "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency}
+    payload, path, res = _begin(args, "burst", params)
+    try:
+        workloads = {cap: burst_requests(tokenizer, cap)[: args.num_requests or None] for cap in args.caps}
+        for system, cap in _run_order(systems, args.caps):
+            requests = workloads[cap]
+            print(f"burst cap {cap} ({len(requests)} requests, {sum(r.output_len for r in requests)} output tokens): "
+                  f"{system} ...", file=sys.stderr)
+            prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+            _guarded(payload, path, system,
+                     lambda s=system, c=cap, reqs=requests, n=prompt_tokens: _burst_system(s, c, reqs, n, args, res))
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.burst_table(payload["runs"]), report.static_table(payload["runs"])])
+
+
+def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_tokens: int,
+                  args: argparse.Namespace, res: Systems) -> list[dict[str, Any]]:
+    from loadtest.metrics import summarize
+
+    if system == "hf-naive":
+        from loadtest.baselines import hf_naive
+
+        return [report.run_from_offline(hf_naive(res.hf(), requests, progress=args.progress), "hf-naive", "burst",
+                                        prompt_tokens, cap)]
+    if system == "hf-static":
+        from loadtest.baselines import hf_static
+
+        return [report.run_from_offline(hf_static(res.hf(), requests, bs, progress=args.progress), "hf-static",
+                                        "burst", prompt_tokens, cap) for bs in args.batch_sizes]
+    if system == "engine":
+        from loadtest.offline import run_engine
+        from serving import LLM
+
+        llm = LLM(**{k: v for k, v in _engine_options(args).items() if v is not None})  # fresh per cap
+        try:
+            return [report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine", "burst",
+                                            prompt_tokens, cap)]
+        finally:
+            del llm
+            gc.collect()
+    results, duration = timed_run(system, requests, args, res, args.stream)
+    name = "server" if system == "server" else args.url
+    return [report.run_from_results(name, system, "burst", summarize(results, duration), results, cap=cap,
+                                    extra={"stream": args.stream})]
+
+
+def run_poisson(args: argparse.Namespace) -> int:
+    from loadtest.metrics import summarize
+    from loadtest.workloads import poisson_requests
+
+    systems = _systems(args, TIMED_SYSTEMS)
+    tokenizer = _load_tokenizer(args)
+    params = {"qps": args.qps, "systems": systems, "num_requests": args.num_requests, "stream": args.stream,
+              "model": args.model, "dtype": args.dtype, "url": args.url, "engine_options": dict(args.engine_option)}
+    payload, path, res = _begin(args, "poisson", params)
+    try:
+        workloads = {qps: poisson_requests(tokenizer, qps)[: args.num_requests or None] for qps in args.qps}
+        for system, qps in _run_order(systems, args.qps):
+            print(f"poisson QPS {qps:g}: {system} ...", file=sys.stderr)
+
+            def one(s: str = system, q: float = qps) -> list[dict[str, Any]]:
+                results, duration = timed_run(s, workloads[q], args, res, args.stream)
+                name = args.url if s == "url" else s
+                return [report.run_from_results(name, s, "poisson", summarize(results, duration), results, qps=q,
+                                                extra=_offered(workloads[q]))]
+
+            _guarded(payload, path, system, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.latency_table(payload["runs"])])
+
+
+def _offered(requests: Sequence[BenchRequest]) -> dict[str, float]:
+    """The offered load: output tokens per second of the arrival process."""
+    span = max(r.arrival_time for r in requests) or 1.0
+    return {"offered_output_tok_s": sum(r.output_len for r in requests) / span}
+
+
+def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float,
+                    seed: int) -> list[BenchRequest]:
+    """Prompts of uniform random length in [L(1-r), L(1+r)] cut from the corpus, likewise for outputs."""
+    from loadtest.workloads import corpus_tokens, prompt_slice
+
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    tokens = corpus_tokens(tokenizer)
+
+    def draw(n: int) -> int:
+        return int(rng.integers(max(1, math.floor(n * (1 - range_ratio))), math.ceil(n * (1 + range_ratio)) + 1))
+
+    out = []
+    for i in range(num):
+        p, o = draw(input_len), draw(output_len)
+        out.append(BenchRequest(prompt_slice(tokens, i, p), o, 0.0))
+    return out
+
+
+def run_random(args: argparse.Namespace) -> int:
+    from loadtest.metrics import format_summary, summarize
+
+    systems = _systems(args, TIMED_SYSTEMS)
+    requests = random_requests(_load_tokenizer(args), args.num_requests or 100, args.input_len, args.output_len,
+                               args.range_ratio, args.dataset_seed)
+    if args.request_rate is not None:  # give the in-process engine the same arrivals as HTTP
+        from loadtest.http_client import arrival_schedule
+
+        times = arrival_schedule(len(requests), args.request_rate, args.burstiness, args.seed)
+        requests = [BenchRequest(r.prompt_token_ids, r.output_len, t) for r, t in zip(requests, times)]
+    params = {k: getattr(args, k) for k in ("input_len", "output_len", "range_ratio", "dataset_seed", "request_rate",
+                                             "burstiness", "max_concurrency", "stream", "url", "model")}
+    params.update(num_requests=len(requests), systems=systems)
+    payload, path, res = _begin(args, "random", params)
+    summaries = []
+    try:
+        for system in systems:
+            def one(s: str = system) -> list[dict[str, Any]]:
+                results, duration = timed_run(s, requests, args, res, args.stream)
+                summary = summarize(results, duration)
+                summaries.append(f"{s}\n{format_summary(summary)}")
+                return [report.run_from_results(args.url if s == "url" else s, s, "random", summary, results,
+                                                qps=args.request_rate)]
+
+            _guarded(payload, path, system, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, summaries)
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    from loadtest.metrics import summarize
+    from loadtest.predictor import DEFAULT_PREDICTOR
+    from loadtest.workloads import poisson_requests
+
+    unknown = [p for p in args.policies if p not in ("fcfs", "priority", "sjf", "predicted")]
+    if unknown:
+        raise ValueError(f"unknown policies: {', '.join(unknown)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    predictor = Path(args.length_predictor or DEFAULT_PREDICTOR).resolve()
+    if "predicted" in args.policies and not predictor.is_file():
+        raise ValueError(f"no length predictor at {predictor}; run `kvrelay bench train-predictor` first")
+    requests = poisson_requests(_load_tokenizer(args), args.qps)[: args.num_requests or None]
+    params = {"qps": args.qps, "policies": args.policies, "repeats": args.repeats, "length_predictor": str(predictor),
+              "num_requests": len(requests), "stream": args.stream, "model": args.model, "dtype": args.dtype,
+              "engine_options": dict(args.engine_option)}
+    payload, path, res = _begin(args, "policies", params)
+    try:
+        for round_ in range(args.repeats):
+            for policy in args.policies:
+                print(f"policies QPS {args.qps:g}: {policy} (round {round_ + 1})", file=sys.stderr)
+                options = {**_engine_options(args), "scheduling_policy": policy}
+                if policy == "predicted":
+                    options["length_predictor"] = str(predictor)
+
+                def one(p: str = policy, o: dict = options, r: int = round_) -> list[dict[str, Any]]:
+                    results, duration = timed_run("server", requests, args, res, args.stream, o)
+                    run = report.run_from_results("server", "server", "poisson", summarize(results, duration), results,
+                                                  qps=args.qps, extra={"round": r, **_offered(requests)})
+                    run["policy"] = p
+                    return [run]
+
+                _guarded(payload, path, policy, one)
+    finally:
+        res.close()
+    return _finish(payload, path, args, [report.latency_table(payload["runs"]), report.policy_table(payload["runs"])])
+
+
+def run_long_prompt(args: argparse.Namespace) -> int:
+    from loadtest import long_prompt
+    from loadtest.workloads import corpus_tokens, long_prompt_requests
+
+    tokenizer = _load_tokenizer(args)
+    if args.url:
+        from loadtest.metrics import summarize
+
+        requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
+        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests)}, args.argv)
+        path = args.out / f"long-prompt-{_stamp()}.json"
+        res = Systems(args)
+        results, duration = timed_run("url", requests, args, res, args.stream)
+        run = report.run_from_results(args.url, "url", "long-prompt", summarize(results, duration), results,
+                                      extra=long_prompt.split_stats(results, requests))
+        payload["runs"].append(run)
+        s, lg = run["extra"]["short"], run["extra"]["long"]
+        table = (f"short: TTFT p50 {s['ttft_p50_ms']:.0f} ms, p95 {s['ttft_p95_ms']:.0f} ms, ITL p95 {s['itl_p95_ms']:.0f} ms\n"
+                 f"long:  TTFT p50 {lg['ttft_p50_ms']:.0f} ms, p95 {lg['ttft_p95_ms']:.0f} ms, ITL p95 {lg['itl_p95_ms']:.0f} ms")
+        return _finish(payload, path, args, [table])
+    from loadtest.results import git_commit, loadavg, write_json
+
+    payload = {"workload": "long-prompt", "parameters": {k: str(v) for k, v in vars(args).items()},
+               "git_commit": git_commit(), "loadavg_start": loadavg()}
+    payload.update(long_prompt.run(tokenizer, corpus_tokens(tokenizer), args.transports, args.configs,
+                                   args.num_requests))
+    payload["loadavg_end"] = loadavg()
+    path = args.out / f"long-prompt-{_stamp()}.json"
+    write_json(path, payload)
+    print(long_prompt.format_tables(payload))
+    print(f"wrote {path}")
+    return 0 if all(r["failed"] == 0 for r in payload["long_prompt"]) else 1
+
+
+def run_train_predictor(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from loadtest.predictor import DEFAULT_PREDICTOR, collect_lengths, format_report, train
+    from loadtest.workloads import poisson_requests
+
+    model = args.model or default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    output = args.output or DEFAULT_PREDICTOR
+    lengths_path = output.with_name(output.stem + "-lengths.json")
+    if args.lengths:
+        data = json.loads(args.lengths.read_text(encoding="utf-8"))
+        data["prompts"] = [r.prompt_token_ids for r in poisson_requests(tokenizer, 1.0, num_requests=len(data["lengths"]))]
+    else:
+        from serving import LLM
+
+        data = collect_lengths(LLM(model=model, dtype=args.dtype), tokenizer, args.num_prompts)
+        lengths_path.parent.mkdir(parents=True, exist_ok=True)
+        lengths_path.write_text(json.dumps({k: v for k, v in data.items() if k != "prompts"}) + "\n", encoding="utf-8")
+        print(f"wrote {lengths_path}")
+    predictor, result = train(data)
+    predictor.save(output)
+    print(format_report(result))
+    print(f"wrote {output}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    payloads = [(f.stem, report.load_payload(f)) for f in args.files]
+    print(report.compare_table(payloads, args.baseline))
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from loadtest.plots import plot_payload
+
+    for f in args.files:
+        for png in plot_payload(report.load_payload(f), f):
+            print(f"wrote {png}")
+    return 0
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from loadtest.overhead import run_overhead as _run
+
+    args.model = args.model or default_model_path()
+    return _run(args, AutoTokenizer.from_pretrained(args.model))
