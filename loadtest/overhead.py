@@ -67,15 +67,21 @@ def run_engine_inprocess(llm: Any, requests: Sequence[BenchRequest]) -> tuple[li
     return results, time.perf_counter() - t0
 
 
-def engine_side(requests: Sequence[BenchRequest], engine_options: dict) -> dict:
+def engine_results(requests: Sequence[BenchRequest], engine_options: dict) -> tuple[list[RequestResult], float]:
+    """A fresh engine (no prefix cache from before), one untimed warm-up request, then `requests`."""
     from serving import LLM
 
     llm = LLM(**engine_options)
-    run_engine_inprocess(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # warm-up
-    results, duration = run_engine_inprocess(llm, requests)
-    del llm
-    gc.collect()
-    return summarize(results, duration)
+    try:
+        run_engine_inprocess(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # warm-up
+        return run_engine_inprocess(llm, requests)
+    finally:
+        del llm
+        gc.collect()
+
+
+def engine_side(requests: Sequence[BenchRequest], engine_options: dict) -> dict:
+    return summarize(*engine_results(requests, engine_options))
 
 
 class LocalCluster:
@@ -111,11 +117,16 @@ class LocalCluster:
         ray.shutdown()
 
 
+def server_results(url: str, model: str, requests: Sequence[BenchRequest], stream: bool,
+                   **load_options: Any) -> tuple[list[RequestResult], float]:
+    """One untimed warm-up request, then `requests` through the HTTP load generator."""
+    warm = [BenchRequest(requests[0].prompt_token_ids[:8], 2)]
+    asyncio.run(run_load(url, model, warm, stream=stream, api_key=load_options.get("api_key"), progress=False))
+    return asyncio.run(run_load(url, model, list(requests), stream=stream, **load_options))
+
+
 def server_side(url: str, requests: Sequence[BenchRequest], stream: bool) -> dict:
-    asyncio.run(run_load(url, MODEL_NAME, [BenchRequest(requests[0].prompt_token_ids[:8], 2)], stream=stream,
-                         progress=False))  # warm-up
-    results, duration = asyncio.run(run_load(url, MODEL_NAME, list(requests), stream=stream, progress=False))
-    return summarize(results, duration)
+    return summarize(*server_results(url, MODEL_NAME, requests, stream, progress=False))
 
 
 def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:

@@ -5,7 +5,6 @@ URL; each runner writes one result JSON (loadtest/report.py) and optionally its 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import math
@@ -25,7 +24,6 @@ from loadtest.workloads import BURST_CAPS, BenchRequest
 LOCAL_SYSTEMS = ("hf-naive", "hf-static", "engine", "server")
 TIMED_SYSTEMS = ("engine", "server")  # systems with per-token timings (poisson, random, policies)
 POLICIES = ("fcfs", "sjf", "predicted")
-
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -79,8 +77,11 @@ def _systems(args: argparse.Namespace, allowed: Sequence[str]) -> list[str]:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model": args.model if args.model and not getattr(args, "url", None) else None,
-            "dtype": args.dtype, **dict(args.engine_option)}
+    """Options for `engine` and `server`: the model folder (when given), dtype and --engine-option."""
+    options = {"dtype": args.dtype, **dict(args.engine_option)}
+    if args.model and not getattr(args, "url", None):
+        options["model"] = args.model
+    return options
 
 
 class Systems:
@@ -109,7 +110,7 @@ class Systems:
             self.cluster = LocalCluster().__enter__()
         self.apps += 1
         name = f"bench{self.apps}"
-        return self.cluster.deploy(name, {k: v for k, v in options.items() if v is not None}), name
+        return self.cluster.deploy(name, options), name
 
     def url_model(self) -> str:
         if self.model_name is None:
@@ -126,47 +127,29 @@ class Systems:
 
 def http_run(url: str, model: str, requests: Sequence[BenchRequest], args: argparse.Namespace,
              stream: bool) -> tuple[list[Any], float]:
-    """One untimed warm-up request, then the workload; (results, duration)."""
-    from loadtest.http_client import run_load
+    """One untimed warm-up request, then the workload with the command line's HTTP options."""
+    from loadtest.overhead import server_results
 
-    warm = [BenchRequest(requests[0].prompt_token_ids[:8], 2)]
-    asyncio.run(run_load(url, model, warm, stream=stream, api_key=args.api_key, progress=False))
-    return asyncio.run(run_load(url, model, list(requests), stream=stream, api_key=args.api_key,
-                                max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-                                burstiness=args.burstiness, seed=args.seed, timeout_s=args.timeout,
-                                progress=args.progress))
+    return server_results(url, model, requests, stream, api_key=args.api_key, max_concurrency=args.max_concurrency,
+                          request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
+                          timeout_s=args.timeout, progress=args.progress)
 
 
 def timed_run(system: str, requests: Sequence[BenchRequest], args: argparse.Namespace, res: Systems,
               stream: bool, options: dict[str, Any] | None = None) -> tuple[list[Any], float]:
     """Per-token-timed run on `engine` (in-process, arrival times honoured), `server` or `url`."""
+    from loadtest.overhead import MODEL_NAME, engine_results
+
     options = options or _engine_options(args)
     if system == "engine":
-        from loadtest.overhead import run_engine_inprocess
-        from serving import LLM
-
-        llm = LLM(**{k: v for k, v in options.items() if v is not None})  # fresh: no prefix cache from before
-        try:
-            run_engine_inprocess(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])
-            return run_engine_inprocess(llm, requests)
-        finally:
-            del llm
-            gc.collect()
+        return engine_results(requests, options)
     if system == "server":
         url, app = res.deploy(options)
         try:
-            return http_run(url, report_model_name(), requests, args, stream)
+            return http_run(url, MODEL_NAME, requests, args, stream)
         finally:
-            from ray import serve
-
-            serve.delete(app)
+            res.cluster.delete(app)
     return http_run(args.url, res.url_model(), requests, args, stream)
-
-
-def report_model_name() -> str:
-    from loadtest.overhead import MODEL_NAME
-
-    return MODEL_NAME
 
 
 def _finish(payload: dict[str, Any], path: Path, args: argparse.Namespace, tables: list[str]) -> int:
@@ -256,7 +239,7 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
         from loadtest.offline import run_engine
         from serving import LLM
 
-        llm = LLM(**{k: v for k, v in _engine_options(args).items() if v is not None})  # fresh per cap
+        llm = LLM(**_engine_options(args))  # fresh per cap
         try:
             return [report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine", "burst",
                                             prompt_tokens, cap)]
