@@ -1,43 +1,17 @@
-"""The CPU backend with a compiled decode kernel: single-token queries read K/V straight from the paged
-cache through the block table (no gather copy), one task per (request, KV head). Chunks keep the torch
-path (masked SDPA), whose GEMMs suit many queries per request.
+"""The CPU backend with compiled kernels that read K/V straight from the paged cache through the block
+table (no gather copy). Single-token queries use a decode kernel, one task per request. In bfloat16 on
+CPUs with AVX512-BF16, decodes and chunks both use `csrc_attention_bf16.cpp`; other dtypes keep the
+torch path (masked SDPA) for chunks.
 
-The C++ source is built once with torch's extension loader (needs a C++ compiler and ninja) and cached
-under torch's extensions folder; `get_attention_backend("auto")` falls back to the torch backend when
-the build is unavailable."""
+The kernel is built with the other compiled CPU kernels (`kernels/cpu_extension.py`);
+`get_attention_backend("auto")` falls back to the torch backend when the build is unavailable."""
 
 from __future__ import annotations
-
-import functools
-import time
-from pathlib import Path
 
 import torch
 
 from kernels.cpu_attention import TorchPagedAttention
-
-_SOURCE = Path(__file__).with_name("csrc_paged_decode.cpp")
-_NAME = "kvrelay_paged_decode"
-# torch's loader takes a lock file for every load and waits forever if a process died holding it (for
-# example a server stopped during its first start). A build takes well under this; older locks are dead.
-_STALE_LOCK_S = 300
-
-
-def _remove_stale_lock(lock: Path) -> None:
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-
-
-@functools.cache
-def load_extension():
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    _remove_stale_lock(Path(_get_build_directory(_NAME, verbose=False)) / "lock")
-    return load(name=_NAME, sources=[str(_SOURCE)], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"], extra_ldflags=["-fopenmp"])
+from kernels.cpu_extension import load_extension
 
 
 class CppPagedAttention(TorchPagedAttention):
@@ -45,6 +19,22 @@ class CppPagedAttention(TorchPagedAttention):
 
     def __init__(self) -> None:
         self._ext = load_extension()
+        self._bf16 = self._ext.has_avx512_bf16()
+
+    def _use_bf16(self, query: torch.Tensor) -> bool:
+        return self._bf16 and query.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0
+
+    def write_kv(self, k_cache, v_cache, key, value, meta) -> None:
+        self._ext.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, x: dict, scale: float) -> torch.Tensor:
+        if self._use_bf16(q):
+            return self._ext.paged_decode_attention_bf16(q, k_cache, v_cache, x["dec_tables"], x["dec_context_lens"], scale)
         return self._ext.paged_decode_attention(q, k_cache, v_cache, x["dec_tables"], x["dec_context_lens"], scale)
+
+    def chunks(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, x: dict, scale: float,
+               out: torch.Tensor) -> None:
+        if not self._use_bf16(query):
+            return super().chunks(query, k_cache, v_cache, x, scale, out)
+        self._ext.paged_prefill_attention_bf16_(out, query, k_cache, v_cache, x["chunk_tables"], x["chunk_starts"],
+                                                x["chunk_query_lens"], x["chunk_context_lens"], scale)

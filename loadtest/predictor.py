@@ -90,7 +90,7 @@ def train(data: dict[str, Any], num_held_out: int = NUM_HELD_OUT) -> tuple[Linea
         raise ValueError(f"need more than {num_held_out + 5} prompts with lengths, got {len(prompts)}")
     x = np.stack([prompt_features(p) for p in prompts])
     x_train, y_train = x[num_held_out:], lengths[num_held_out:]
-    x_test, y_test = x[:num_held_out], lengths[:num_held_out]
+    y_test = lengths[:num_held_out]
     l2 = choose_l2(x_train, y_train)
     max_len = int(data["max_tokens"])
     predictor = LinearLengthPredictor(fit_ridge(x_train, y_train, l2), max_len)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import get_attention_backend
+from kernels.layer_ops import get_layer_ops
 from workers.config import EngineConfig, parse_memory
 from workers.detokenizer import IncrementalDetokenizer
 from workers.kv_cache_manager import KVCacheManager
@@ -130,6 +131,8 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
         attn = get_attention_backend(config.attention_backend)
+        # The compiled layer ops come from the same build as the compiled attention: both or neither.
+        self.model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
         self.runner = ModelRunner(self.model, attn, num_blocks, config.block_size, self.dtype, config.seed)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)

@@ -37,7 +37,7 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SampleOutput:
     """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
     logprobs run in float32 on the rows that need them); one `params` and optional generator per row."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~3x faster on the CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens
     if random_rows:

@@ -98,3 +98,37 @@ def test_registry():
     assert get_attention_backend("auto").name == "cpp"  # builds on every machine of ours
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("nope")
+
+
+# Longer contexts and real head sizes for the compiled bfloat16 kernels (AVX512-BF16; head_dim a multiple
+# of 32): whole prompts, chunks after a cached context, decodes past 512 positions, 16-position tiles cut
+# off at every kind of boundary.
+LONG_BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (128, 128), (100, 300), (1, 517), (33, 33), (1, 16),
+              (1, 17), (3, 31)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
+    backend = get_attention_backend("cpp")
+    if backend._bf16:  # the compiled bfloat16 kernels, not the torch fallback, are what runs here
+        assert backend._use_bf16(torch.zeros(1, heads, dim, dtype=torch.bfloat16))
+    out, expected = run_case(block_size, torch.bfloat16, LONG_BATCH, heads=heads, kv_heads=kv_heads, dim=dim,
+                             num_blocks=2000, backend="cpp")
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert (out.float() - expected).abs().mean() < 1e-3  # bfloat16 rounding of the output, no more
+
+
+def test_compiled_write_kv_matches_torch_and_checks_slots():
+    cpp, ref = get_attention_backend("cpp"), get_attention_backend("torch")
+    qkv = torch.randn(50, 4 * 16 + 2 * 2 * 16).bfloat16()
+    key, value = qkv[:, 64:96].view(50, 2, 16), qkv[:, 96:].view(50, 2, 16)  # strided views, as in the model
+    slots = torch.randperm(40 * 16)[:50]
+    meta = ref.build_metadata(torch.tensor([50]), torch.tensor([50]), torch.zeros(1, 4, dtype=torch.long), slots, 16, 4, 2)
+    caches = [[torch.zeros(40, 16, 2, 16, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+    cpp.write_kv(*caches[0], key, value, meta)
+    ref.write_kv(*caches[1], key, value, meta)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    meta.slot_mapping = torch.tensor([0] * 49 + [40 * 16])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpp.write_kv(*caches[0], key, value, meta)

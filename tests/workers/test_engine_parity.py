@@ -1,9 +1,12 @@
 """Greedy output of the engine equals Hugging Face transformers' `generate`, token for token (float32),
-with chunked prefill, under preemption, and independent of batch composition."""
+with chunked prefill, under preemption, and independent of batch composition. In bfloat16 (the
+default, where the compiled kernels run) the engine's token log-probabilities match transformers' on
+the same tokens to bfloat16 precision."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import hf_greedy
 from serving import LLM, SamplingParams
@@ -49,3 +52,29 @@ def test_batch_invariance(default_model_dir, make_prompts):
     alone = llm.generate(prompts[3], GREEDY)[0].outputs[0].token_ids
     batched = llm.generate(prompts, GREEDY)
     assert batched[3].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 64}], ids=["defaults", "chunked-64"])
+def test_bfloat16_logprobs_match_transformers(default_model_dir, make_prompts, options):
+    """Teacher-forced: transformers (bfloat16, SDPA) scores the tokens our engine generated. Prompt chunks
+    and decodes both run through the compiled bfloat16 attention here. Measured on this machine: mean
+    |difference| 0.027 nats, max 0.20, against 0.024 / 0.18 for our pure-torch path."""
+    from transformers import LlamaForCausalLM
+
+    prompts = make_prompts(LENGTHS, seed=3)
+    llm = LLM(default_model_dir, dtype="bfloat16", max_model_len=1024, kv_cache_memory="256MiB", **options)
+    assert llm.engine.model.ops.name == "cpp"
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, logprobs=0, ignore_eos=True))
+    hf = LlamaForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16).eval()
+    diffs, agree = [], 0
+    for prompt, out in zip(prompts, outs):
+        gen = list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt + gen])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        ours = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, gen)])
+        diffs.append((ours - ref.gather(1, torch.tensor(gen)[:, None]).squeeze(1)).abs())
+        agree += int((ref.argmax(-1) == torch.tensor(gen)).sum())
+    diffs = torch.cat(diffs)
+    assert diffs.mean() < 0.05 and diffs.max() < 0.5, (diffs.mean(), diffs.max())
+    assert agree >= 0.95 * len(diffs)  # greedy picks the same token as transformers nearly everywhere
+    assert llm.engine.get_stats().kv_cache_usage == 0.0

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
 
 Plain modules in the gpt-fast manner: the batch is one flat run of tokens (no padding), q/k/v and
-gate/up projections are fused into one matmul each, and only the rows that sample reach the LM head."""
+gate/up projections are fused into one matmul each, each residual add is fused with the norm after it
+(`kernels/layer_ops.py`), and only the rows that sample go past the last layer's attention."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.layer_ops import TorchLayerOps
 
 
 @dataclass(slots=True)
@@ -64,24 +66,6 @@ class ModelArgs:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As Hugging Face computes it: normalise in float32, scale in the model's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's `x * cos + rotate_half(x) * sin`, written per half so it rounds identically.
-    x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim // 2] (both halves of the table are equal)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
-    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
-    return out
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs) -> None:
         super().__init__()
@@ -95,19 +79,25 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata,
+                ops: TorchLayerOps, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x` is the residual stream and `h` its input norm. Returns the stream after attention and the
+        MLP's output, which the caller adds in with the next norm. With `rows`, only those tokens go on
+        past attention (every token still writes its K/V)."""
         t = x.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
-        qk = apply_rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
-        q, k = qk[:, :h], qk[:, h:]
-        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+        nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qk = qkv[:, : (nh + kvh) * d].view(t, nh + kvh, d)
+        ops.rope_(qk, *rope)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
         attn.write_kv(k_cache, v_cache, k, v, meta)
-        o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5)
-        x = x + F.linear(o.view(t, h * d), self.o_proj)
-        gate, up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
+        if rows is not None:
+            x, o = x[rows], o[rows]
+        x, h = ops.add_rms_norm(x, F.linear(o, self.o_proj), self.post_norm, self.eps)
+        return x, F.linear(ops.silu_and_mul(F.linear(h, self.gate_up)), self.down)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,6 +109,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.cos_table = self.sin_table = torch.empty(0)
+        self.ops: TorchLayerOps = TorchLayerOps()  # the engine installs the compiled ops when they build
 
     def init_rope(self, max_positions: int, dtype: torch.dtype) -> None:
         """cos/sin for every position, computed in float32 as Hugging Face does, stored in `dtype`."""
@@ -130,16 +121,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Returns logits (in the model's dtype) for the rows in `logits_indices` only."""
+        """Returns logits (in the model's dtype) for the rows in `logits_indices` only. Each residual add
+        is fused with the norm after it; the last layer carries only those rows past its attention."""
+        ops, eps, last = self.ops, self.args.rms_norm_eps, len(self.layers) - 1
+        rope = (self.cos_table, self.sin_table, positions)
         x = F.embedding(input_ids, self.embed_tokens)
-        half = self.cos_table.shape[-1] // 2
-        cos = self.cos_table[positions, :half].unsqueeze(1)
-        sin = self.sin_table[positions, :half].unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, attn, meta)
-        x = rms_norm(x[logits_indices], self.norm, self.args.rms_norm_eps)
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
+            x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head)
+        return F.linear(h, head)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if any are missing."""

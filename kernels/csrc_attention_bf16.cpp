@@ -1,0 +1,296 @@
+// Paged attention for bfloat16 on CPUs with AVX512-BF16 (`vdpbf16ps`: pairs of bfloat16 products summed
+// into float32 lanes). Products of bfloat16 are exact in float32 and sums are float32, as in torch's
+// flash attention for bfloat16, which also rounds the softmax numerators to bfloat16 before multiplying
+// by V and divides by their float32 sum at the end.
+//
+// - `paged_prefill_attention_bf16_`: chunks (many queries per request, causal within the chunk, after any
+//   cached context). One task per (request, KV head): its keys are gathered once into a pair-transposed
+//   tile, so a query row's scores for 16 positions come from D/2 vector instructions with no horizontal
+//   sums, and the values into position-pair rows for the same reason.
+// - `paged_decode_attention_bf16`: single-token queries straight from the cache, one task per request.
+//
+// `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "csrc_simd.h"
+
+bool has_avx512_bf16() {
+#ifdef KVRELAY_AVX512_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef KVRELAY_AVX512_BF16
+namespace {
+
+using kvrelay_simd::exp512;
+
+constexpr int64_t kRows = 4;  // query rows that share each K/V load
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even (inputs here are finite)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// 16 bfloat16 -> 16 float32.
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Lane i of the result = the sum of the 16 lanes of v[i] (a transpose folded into the additions).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+struct Paged {
+  const uint16_t* k;
+  const uint16_t* v;
+  const int64_t* tables;
+  int64_t table_width, block_size, kv_heads, dim;
+  // The K (or V) row of KV head `h` at position `p` of the request whose table starts at `t`.
+  const uint16_t* row(const uint16_t* cache, const int64_t* t, int64_t p, int64_t h) const {
+    return cache + ((t[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+  }
+};
+
+// Softmax numerators for `n` scores in place (float, unnormalised, relative to the row max); returns
+// their sum. Positions at or beyond `limit` get 0.
+inline float exp_row(float* s, int64_t limit, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  int64_t p = 0;
+  for (; p + 16 <= limit; p += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + p));
+  float m = _mm512_reduce_max_ps(vmax);
+  for (; p < limit; ++p) m = std::max(m, s[p]);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (p = 0; p < n; p += 16) {
+    const __mmask16 valid = p + 16 <= limit ? 0xffff : (p >= limit ? 0 : static_cast<__mmask16>((1u << (limit - p)) - 1));
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + p), vm)));
+    _mm512_storeu_ps(s + p, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64_t out_token_stride,
+                  int64_t q_start, int64_t q_len, int64_t ctx, int64_t kv_head, int64_t group, const int64_t* table,
+                  float scale, std::vector<uint32_t>& kt, std::vector<uint32_t>& vp, std::vector<float>& scores,
+                  std::vector<uint32_t>& probs) {
+  const int64_t D = pg.dim, half = D / 2;
+  const int64_t n = (ctx + 31) / 32 * 32;  // positions padded to whole pairs of 16-wide tiles
+  kt.assign(half * n, 0u);
+  vp.assign(n / 2 * D, 0u);
+  // kt[d2][p] = (K[p][2*d2], K[p][2*d2+1]); vp[p2][d] = (V[2*p2][d], V[2*p2+1][d]).
+  for (int64_t p = 0; p < ctx; ++p) {
+    const uint32_t* kr = reinterpret_cast<const uint32_t*>(pg.row(pg.k, table, p, kv_head));
+    for (int64_t d2 = 0; d2 < half; ++d2) kt[d2 * n + p] = kr[d2];
+    const uint16_t* vr = pg.row(pg.v, table, p, kv_head);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(vp.data() + (p / 2) * D) + (p & 1);
+    for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+  }
+  const int64_t rows = q_len * group;  // row r: query token r / group, head kv_head * group + r % group
+  scores.resize(kRows * n);
+  probs.resize(kRows * n / 2);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t nr = std::min(kRows, rows - r0);
+    const uint32_t* qrow[kRows];
+    int64_t limit[kRows];
+    int64_t max_limit = 0;
+    for (int64_t i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + std::min(i, nr - 1);
+      const int64_t tok = q_start + r / group, h = kv_head * group + r % group;
+      qrow[i] = reinterpret_cast<const uint32_t*>(q + tok * q_token_stride + h * D);
+      limit[i] = ctx - q_len + r / group + 1;
+      max_limit = std::max(max_limit, limit[i]);
+    }
+    const int64_t np = (max_limit + 15) / 16 * 16;
+    for (int64_t p = 0; p < np; p += 16) {
+      __m512 acc[kRows];
+      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d2 = 0; d2 < half; ++d2) {
+        const __m512bh kv = as_bh(_mm512_loadu_si512(kt.data() + d2 * n + p));
+        for (int64_t i = 0; i < kRows; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(qrow[i][d2]))), kv);
+      }
+      for (int64_t i = 0; i < kRows; ++i) _mm512_storeu_ps(scores.data() + i * n + p, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    }
+    float inv_sum[kRows];
+    const int64_t npairs = (np + 1) / 2;
+    for (int64_t i = 0; i < kRows; ++i) {
+      float* s = scores.data() + i * n;
+      inv_sum[i] = 1.f / exp_row(s, limit[i], np);
+      uint32_t* pr = probs.data() + i * (n / 2);
+      for (int64_t p2 = 0; p2 < npairs; ++p2)
+        pr[p2] = static_cast<uint32_t>(bf16_bits(s[2 * p2])) | (static_cast<uint32_t>(bf16_bits(s[2 * p2 + 1])) << 16);
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 acc[kRows];
+      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t p2 = 0; p2 < npairs; ++p2) {
+        const __m512bh vv = as_bh(_mm512_loadu_si512(vp.data() + p2 * D + d0));
+        for (int64_t i = 0; i < kRows; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(probs[i * (n / 2) + p2]))), vv);
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        uint16_t* o = out + (q_start + r / group) * out_token_stride + (kv_head * group + r % group) * D + d0;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum[i])))));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// out/q: [tokens, heads, head_dim] (rows dense); requests' query tokens start at q_starts.
+void paged_prefill_attention_bf16_(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                   torch::Tensor block_tables, torch::Tensor q_starts, torch::Tensor q_lens,
+                                   torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "q and out must have dense [heads, head_dim] rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const int64_t D = q.size(2), H = q.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  q_starts = q_starts.to(torch::kInt64).contiguous();
+  q_lens = q_lens.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  const Paged pg{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
+                 block_tables.data_ptr<int64_t>(), block_tables.size(1), k_cache.size(1), KVH, D};
+  const int64_t R = q_starts.size(0), G = H / KVH;
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int64_t* ql = q_lens.data_ptr<int64_t>();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> kt, vp, probs;
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / KVH, h = task % KVH;
+      prefill_task(pg, qp, q_stride, op, o_stride, qs[r], ql[r], cl[r], h, G, pg.tables + r * pg.table_width,
+                   static_cast<float>(scale), kt, vp, scores, probs);
+    }
+  });
+}
+
+// q: [requests, heads, head_dim] -> out of the same shape.
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  q = q.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), G = H / KVH;
+  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  const Paged pg{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
+                 block_tables.data_ptr<int64_t>(), block_tables.size(1), k_cache.size(1), KVH, D};
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(H * D);
+    std::vector<float> inv_sum(H);
+    std::vector<int64_t> rows;  // element offset of each position's K/V row (all KV heads) in the caches
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t ctx = cl[b];
+      const int64_t n = (ctx + 15) / 16 * 16;
+      const int64_t* table = pg.tables + b * pg.table_width;
+      rows.resize(n);
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t pp = std::min(p, ctx - 1);  // past ctx: any valid row, its score is masked
+        rows[p] = (table[pp / pg.block_size] * pg.block_size + pp % pg.block_size) * KVH * D;
+      }
+      scores.assign(H * n, 0.f);
+      for (int64_t j = 0; j < KVH; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = j * G + g;
+          const uint16_t* qr = qp + (b * H + h) * D;
+          for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
+            __m512 acc[16];
+            if (g == 0 && p0 + 16 < n)  // the blocks are scattered: fetch the next 16 rows ahead
+              for (int64_t i = 0; i < 16; ++i)
+                for (int64_t d = 0; d < D; d += 32)
+                  _mm_prefetch(reinterpret_cast<const char*>(pg.k + rows[p0 + 16 + i] + j * D + d), _MM_HINT_T0);
+            for (int64_t i = 0; i < 16; ++i) {
+              const uint16_t* kr = pg.k + rows[p0 + i] + j * D;
+              __m512 a = _mm512_setzero_ps();
+              for (int64_t d = 0; d < D; d += 32)
+                a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(qr + d)), as_bh(_mm512_loadu_si512(kr + d)));
+              acc[i] = a;
+            }
+            _mm512_storeu_ps(scores.data() + h * n + p0, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(fscale)));
+          }
+        }
+      for (int64_t h = 0; h < H; ++h) inv_sum[h] = 1.f / exp_row(scores.data() + h * n, ctx, n);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < ctx; ++p) {
+        if (p + 8 < ctx)
+          for (int64_t e = 0; e < KVH * D; e += 32) _mm_prefetch(reinterpret_cast<const char*>(pg.v + rows[p + 8] + e), _MM_HINT_T0);
+        for (int64_t j = 0; j < KVH; ++j) {
+          const uint16_t* vr = pg.v + rows[p] + j * D;
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512 v = load_bf16x16(vr + d);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t h = j * G + g;
+              float* a = acc.data() + h * D + d;
+              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * n + p]), v, _mm512_loadu_ps(a)));
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (b * H + h) * D + d),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * D + d),
+                                                                                        _mm512_set1_ps(inv_sum[h])))));
+    }
+  });
+  return out;
+}
+
+#else
+
+void paged_prefill_attention_bf16_(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                   torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor paged_decode_attention_bf16(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, double) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+#endif

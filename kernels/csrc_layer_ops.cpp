@@ -1,0 +1,252 @@
+// Fused element-wise layer ops for the CPU: RMSNorm (optionally with the residual add before it), RoPE
+// in place, and SiLU-and-multiply. Each reads and writes its tensors once, where the torch expressions
+// they replace take three to six passes and as many temporaries.
+//
+// They round exactly where Hugging Face's torch code rounds (float32 math, one rounding to the model's
+// dtype after each torch op), so bfloat16 results match the torch path bit for bit; float32 may differ
+// in the last bit of a sum (a different order of additions).
+#include <torch/extension.h>
+#include "csrc_simd.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(double x) { return static_cast<float>(x); }  // float64 models compute in float32 here
+
+template <typename T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+// Round to nearest even, as c10::BFloat16(float) does, written branch-free so loops vectorize.
+template <> inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(nan ? 0x7fc0u : rounded);
+  return out;
+}
+template <> inline c10::Half from_f<c10::Half>(float f) { return c10::Half(f); }
+template <> inline double from_f<double>(float f) { return f; }
+
+// What a torch op on tensors of dtype T returns: the float result rounded to T.
+template <typename T> inline float round_t(float f) { return to_f(from_f<T>(f)); }
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(T), with x optionally first updated in place to
+// x + residual (rounded to T, as `x = x + residual` would be).
+template <typename T>
+void rms_norm_kernel(T* x, const T* residual, const T* weight, T* out, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * n;
+      float lanes[16] = {0.f};
+      if (residual != nullptr) {
+        const T* rr = residual + r * n;
+        for (int64_t i = 0; i < n; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+      }
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) {
+          const float v = to_f(xr[i + j]);
+          lanes[j] += v * v;
+        }
+      float sum = 0.f;
+      for (int j = 0; j < 16; ++j) sum += lanes[j];
+      for (; i < n; ++i) sum += to_f(xr[i]) * to_f(xr[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+      T* o = out + r * n;
+      for (int64_t k = 0; k < n; ++k) o[k] = from_f<T>(to_f(weight[k]) * round_t<T>(to_f(xr[k]) * inv));
+    }
+  });
+}
+
+// x: [tokens, heads, head_dim] (any token stride), rotated in place by the cos/sin rows of each token's
+// position (tables [max_positions, head_dim], both halves equal): x1*cos - x2*sin, x2*cos + x1*sin.
+template <typename T>
+void rope_kernel(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride, const T* cos_t,
+                 const T* sin_t, const int64_t* positions) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(half), s(half), x1(half), x2(half);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        c[i] = to_f(cos_t[positions[t] * dim + i]);
+        s[i] = to_f(sin_t[positions[t] * dim + i]);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* __restrict a = x + t * token_stride + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          x1[i] = to_f(a[i]);
+          x2[i] = to_f(a[half + i]);
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          a[i] = from_f<T>(round_t<T>(x1[i] * c[i]) - round_t<T>(x2[i] * s[i]));
+          a[half + i] = from_f<T>(round_t<T>(x2[i] * c[i]) + round_t<T>(x1[i] * s[i]));
+        }
+      }
+    }
+  });
+}
+
+// exp(x) to about one float32 ulp (Cephes' polynomial), in plain arithmetic so that loops vectorize.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// gate_up: [rows, 2 * n] -> out: [rows, n] = silu(gate).to(T) * up.
+template <typename T>
+void silu_and_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* __restrict g = gate_up + r * 2 * n;
+      const T* __restrict u = g + n;
+      T* __restrict o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gi = to_f(g[i]);
+        o[i] = from_f<T>(round_t<T>(gi / (1.f + exp_approx(-gi))) * to_f(u[i]));
+      }
+    }
+  });
+}
+
+#ifdef KVRELAY_AVX512_BF16
+// The same arithmetic 16 lanes at a time; the hardware conversion rounds to nearest even like from_f.
+template <>
+void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t n) {
+  if (n % 16 != 0) {  // the generic loop handles ragged widths
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < n; ++i) {
+          const float gi = to_f(gate_up[r * 2 * n + i]);
+          out[r * n + i] = from_f<c10::BFloat16>(round_t<c10::BFloat16>(gi / (1.f + exp_approx(-gi))) * to_f(gate_up[r * 2 * n + n + i]));
+        }
+    });
+    return;
+  }
+  auto load = [](const c10::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  auto round_bf16 = [](__m512 x) {  // to bfloat16 and back
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+  };
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* g = gate_up + r * 2 * n;
+      const c10::BFloat16* u = g + n;
+      c10::BFloat16* o = out + r * n;
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 gi = load(g + i);
+        const __m512 e = kvrelay_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gi));
+        const __m512 silu = round_bf16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, load(u + i))));
+      }
+    }
+  });
+}
+#endif
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous [rows, features] tensor");
+}
+
+}  // namespace
+
+// key/value: [tokens, kv_heads, head_dim] with each token's heads contiguous (views of the fused qkv
+// output are); copied to their slots of the [blocks, block_size, kv_heads, head_dim] caches.
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  for (const auto& t : {key, value})
+    TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) && t.size(1) * t.size(2) == row,
+                "key/value must be [tokens, kv_heads, head_dim] with contiguous heads");
+  slots = slots.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == key.size(0) && value.size(0) == key.size(0), "one slot per token");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * k_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < key.size(0); ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " outside the cache");
+    std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "weight must match x");
+  auto out = torch::empty_like(x);
+  weight = weight.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                              x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// x += residual (in place), then returns rms_norm(x).
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual must match x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "weight must match x");
+  auto out = torch::empty_like(x);
+  weight = weight.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [tokens, heads, head_dim] with dense rows");
+  TORCH_CHECK(cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.size(1) == x.size(2),
+              "cos/sin tables must be contiguous [positions, head_dim]");
+  TORCH_CHECK(cos_table.scalar_type() == x.scalar_type() && sin_table.scalar_type() == x.scalar_type(), "table dtype must match x");
+  positions = positions.to(torch::kInt64).contiguous();
+  TORCH_CHECK(positions.numel() == x.size(0), "one position per token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] {
+    rope_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0), cos_table.data_ptr<scalar_t>(),
+                          sin_table.data_ptr<scalar_t>(), positions.data_ptr<int64_t>());
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of features");
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), gate_up.size(1) / 2);
+  });
+  return out;
+}

@@ -1,0 +1,83 @@
+"""Element-wise layer ops of the Llama-family decoder, in two implementations with one interface.
+
+`TorchLayerOps` is Hugging Face's arithmetic written in torch; `CppLayerOps` runs the same arithmetic
+fused in the compiled CPU kernels (`kernels/csrc_layer_ops.cpp`): one pass over memory per op instead of
+one per torch expression, no temporaries. `get_layer_ops("auto")` picks the compiled ops when they build."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchLayerOps:
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As Hugging Face computes it: normalise in float32, scale in the model's dtype."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x + residual` and its RMSNorm. The compiled version updates `x` in place; use the result."""
+        x = x + residual
+        return x, self.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rotate `x` ([tokens, heads, head_dim]) in place: Hugging Face's `x * cos + rotate_half(x) * sin`,
+        written per half so it rounds identically. The tables are [positions, head_dim], halves equal."""
+        half = x.shape[-1] // 2
+        cos = cos_table[positions, :half].unsqueeze(1)
+        sin = sin_table[positions, :half].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty_like(x)
+        torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+        torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+        x.copy_(out)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CppLayerOps(TorchLayerOps):
+    name = "cpp"
+
+    def __init__(self) -> None:
+        from kernels.cpu_extension import load_extension
+
+        self._ext = load_extension()
+
+    def rms_norm(self, x, weight, eps):
+        return self._ext.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return x, self._ext.add_rms_norm(x, residual, weight, eps)
+
+    def rope_(self, x, cos_table, sin_table, positions):
+        self._ext.rope_(x, cos_table, sin_table, positions)
+
+    def silu_and_mul(self, gate_up):
+        return self._ext.silu_and_mul(gate_up)
+
+
+def get_layer_ops(name: str = "auto") -> TorchLayerOps:
+    """`torch`, `cpp`, or `auto` (the compiled ops when they build here, else torch)."""
+    if name == "auto":
+        try:
+            return CppLayerOps()
+        except Exception as e:  # no compiler or ninja: torch computes the same thing
+            warnings.warn(f"compiled CPU layer ops unavailable ({e}); using torch", stacklevel=2)
+            return TorchLayerOps()
+    if name == "cpp":
+        return CppLayerOps()
+    if name == "torch":
+        return TorchLayerOps()
+    raise ValueError(f"unknown layer ops {name!r}; expected auto, cpp or torch")

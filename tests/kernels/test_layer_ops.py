@@ -1,0 +1,89 @@
+"""The compiled layer ops against Hugging Face's torch arithmetic (`TorchLayerOps`): bit for bit in
+bfloat16 (they round where torch rounds), to float32 precision in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.layer_ops import CppLayerOps, TorchLayerOps, get_layer_ops
+
+REF, CPP = TorchLayerOps(), CppLayerOps()
+EPS = 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,width", [(1, 64), (37, 576), (300, 100)])
+def test_rms_norm(dtype, rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    w = (torch.rand(width, generator=gen) + 0.5).to(dtype)
+    _close(CPP.rms_norm(x, w, EPS), REF.rms_norm(x, w, EPS), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_updates_the_stream_in_place(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 576, generator=gen).to(dtype)
+    delta = torch.randn(40, 576, generator=gen).to(dtype)
+    w = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    ref_x, ref_h = REF.add_rms_norm(x, delta, w, EPS)
+    stream = x.clone()
+    out_x, out_h = CPP.add_rms_norm(stream, delta, w, EPS)
+    assert out_x is stream
+    _close(stream, ref_x, dtype)
+    _close(out_h, ref_h, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 32, 128])
+def test_rope_in_place_on_a_strided_view(dtype, head_dim):
+    tokens, heads, extra = 33, 5, 3  # q and k heads inside a wider fused row, as the model calls it
+    gen = torch.Generator().manual_seed(head_dim)
+    freqs = torch.arange(2048.0)[:, None] * (1 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    row = torch.randn(tokens, (heads + extra) * head_dim, generator=gen).to(dtype)
+    a, b = row.clone(), row.clone()
+    REF.rope_(a[:, : heads * head_dim].view(tokens, heads, head_dim), cos, sin, positions)
+    CPP.rope_(b[:, : heads * head_dim].view(tokens, heads, head_dim), cos, sin, positions)
+    _close(b, a, dtype)
+    assert torch.equal(b[:, heads * head_dim:], row[:, heads * head_dim:])  # the rest of the row untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [1536, 40, 7])  # vector width, and ragged tails
+def test_silu_and_mul(dtype, width):
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(64, 2 * width, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow/underflow
+    ours, ref = CPP.silu_and_mul(gate_up), REF.silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:  # exp differs from torch's in the last float bit: rarely one bfloat16 step
+        assert (ours != ref).float().mean() < 1e-3
+        torch.testing.assert_close(ours, ref, atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(RuntimeError, match="contiguous"):
+        CPP.rms_norm(torch.zeros(4, 8).t(), torch.ones(4), EPS)
+    with pytest.raises(RuntimeError, match="weight must match"):
+        CPP.rms_norm(torch.zeros(4, 8), torch.ones(5), EPS)
+    with pytest.raises(RuntimeError, match="even"):
+        CPP.silu_and_mul(torch.zeros(2, 7))
+
+
+def test_selection():
+    assert get_layer_ops("auto").name == "cpp"  # builds on every machine of ours
+    assert get_layer_ops("torch").name == "torch"
+    with pytest.raises(ValueError, match="unknown layer ops"):
+        get_layer_ops("nope")
