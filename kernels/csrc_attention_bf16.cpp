@@ -98,6 +98,18 @@ inline float exp_row(float* s, int64_t limit, int64_t n) {
   return _mm512_reduce_add_ps(vsum);
 }
 
+// acc[i] = sum over k < count of pairs(rows[i][k]) . tile[k * stride .. +16]: kRows rows share each tile
+// load; a 32-bit word holds two bfloat16 (a pair along the summed axis).
+inline void pair_dots(__m512 (&acc)[kRows], const uint32_t* const (&rows)[kRows], const uint32_t* tile, int64_t stride,
+                      int64_t count) {
+  for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < count; ++k) {
+    const __m512bh t = as_bh(_mm512_loadu_si512(tile + k * stride));
+    for (int64_t i = 0; i < kRows; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(rows[i][k]))), t);
+  }
+}
+
 void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64_t out_token_stride,
                   int64_t q_start, int64_t q_len, int64_t ctx, int64_t kv_head, int64_t group, const int64_t* table,
                   float scale, std::vector<uint32_t>& kt, std::vector<uint32_t>& vp, std::vector<float>& scores,
@@ -132,31 +144,23 @@ void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, ui
     const int64_t np = (max_limit + 15) / 16 * 16;
     for (int64_t p = 0; p < np; p += 16) {
       __m512 acc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t d2 = 0; d2 < half; ++d2) {
-        const __m512bh kv = as_bh(_mm512_loadu_si512(kt.data() + d2 * n + p));
-        for (int64_t i = 0; i < kRows; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(qrow[i][d2]))), kv);
-      }
+      pair_dots(acc, qrow, kt.data() + p, n, half);
       for (int64_t i = 0; i < kRows; ++i) _mm512_storeu_ps(scores.data() + i * n + p, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
     }
     float inv_sum[kRows];
+    const uint32_t* prow[kRows];
     const int64_t npairs = (np + 1) / 2;
     for (int64_t i = 0; i < kRows; ++i) {
       float* s = scores.data() + i * n;
       inv_sum[i] = 1.f / exp_row(s, limit[i], np);
       uint32_t* pr = probs.data() + i * (n / 2);
+      prow[i] = pr;
       for (int64_t p2 = 0; p2 < npairs; ++p2)
         pr[p2] = static_cast<uint32_t>(bf16_bits(s[2 * p2])) | (static_cast<uint32_t>(bf16_bits(s[2 * p2 + 1])) << 16);
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 acc[kRows];
-      for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t p2 = 0; p2 < npairs; ++p2) {
-        const __m512bh vv = as_bh(_mm512_loadu_si512(vp.data() + p2 * D + d0));
-        for (int64_t i = 0; i < kRows; ++i)
-          acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(probs[i * (n / 2) + p2]))), vv);
-      }
+      pair_dots(acc, prow, vp.data() + d0, D, npairs);
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         uint16_t* o = out + (q_start + r / group) * out_token_stride + (kv_head * group + r % group) * D + d0;
