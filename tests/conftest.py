@@ -46,7 +46,8 @@ def write_tiny_model(path: Path, tokenizer_dir: str, **overrides) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kind = overrides.pop("model_type", "llama")
-    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    # head_dim 32: the smallest that the compiled bfloat16 attention takes, so bfloat16 tests run it
+    kw = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
               initializer_range=0.2, tie_word_embeddings=True)
     kw.update(overrides)
