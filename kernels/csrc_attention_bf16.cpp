@@ -31,28 +31,12 @@ bool has_avx512_bf16() {
 namespace {
 
 using kvrelay_simd::exp512;
+using kvrelay_simd::float_to_bf16;
+using kvrelay_simd::load_bf16x16;
 
 constexpr int64_t kRows = 4;  // query rows that share each K/V load
 
-inline uint16_t bf16_bits(float f) {  // round to nearest even (inputs here are finite)
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float bf16_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// 16 bfloat16 -> 16 float32.
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // Lane i of the result = the sum of the 16 lanes of v[i] (a transpose folded into the additions).
 inline __m512 hsum16(const __m512* v) {
@@ -156,7 +140,7 @@ void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, ui
       uint32_t* pr = probs.data() + i * (n / 2);
       prow[i] = pr;
       for (int64_t p2 = 0; p2 < npairs; ++p2)
-        pr[p2] = static_cast<uint32_t>(bf16_bits(s[2 * p2])) | (static_cast<uint32_t>(bf16_bits(s[2 * p2 + 1])) << 16);
+        pr[p2] = static_cast<uint32_t>(float_to_bf16(s[2 * p2])) | (static_cast<uint32_t>(float_to_bf16(s[2 * p2 + 1])) << 16);
     }
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       __m512 acc[kRows];

@@ -2,6 +2,29 @@
 // targets a CPU with AVX-512 and its bfloat16 dot product (the build uses -march=native).
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+
+namespace kvrelay_simd {
+
+// bfloat16 is the top half of a float32: widening is exact.
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, NaN stays NaN, as c10::BFloat16(float) does; branch-free so loops vectorize.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+}  // namespace kvrelay_simd
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVRELAY_AVX512_BF16 1
@@ -24,6 +47,11 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// 16 bfloat16 -> 16 float32.
+inline __m512 load_bf16x16(const void* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
 }
 
 }  // namespace kvrelay_simd

@@ -1,5 +1,7 @@
-"""The compiled layer ops against Hugging Face's torch arithmetic (`TorchLayerOps`): bit for bit in
-bfloat16 (they round where torch rounds), to float32 precision in float32."""
+"""The compiled layer ops against Hugging Face's torch arithmetic (`TorchLayerOps`). In bfloat16 they
+round where torch rounds: the residual add and RoPE are bit for bit; RMSNorm and SiLU, whose float32 sum
+or exp can differ from torch's in the last bit, may flip a rare rounding by one bfloat16 step. In float32
+they agree to float32 precision."""
 
 from __future__ import annotations
 
@@ -12,20 +14,24 @@ REF, CPP = TorchLayerOps(), CppLayerOps()
 EPS = 1e-5
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
-    if dtype == torch.bfloat16:
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact: bool = True) -> None:
+    """bfloat16: identical, or (`exact=False`) at most one value in 1,000 one rounding step apart."""
+    if dtype == torch.bfloat16 and exact:
         assert torch.equal(a, b)
+    elif dtype == torch.bfloat16:
+        assert (a != b).float().mean() < 1e-3
+        torch.testing.assert_close(a, b, atol=0, rtol=2 ** -7)
     else:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,width", [(1, 64), (37, 576), (300, 100)])
+@pytest.mark.parametrize("rows,width", [(1, 64), (37, 576), (300, 100), (2048, 576)])
 def test_rms_norm(dtype, rows, width):
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
     w = (torch.rand(width, generator=gen) + 0.5).to(dtype)
-    _close(CPP.rms_norm(x, w, EPS), REF.rms_norm(x, w, EPS), dtype)
+    _close(CPP.rms_norm(x, w, EPS), REF.rms_norm(x, w, EPS), dtype, exact=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -39,7 +45,7 @@ def test_add_rms_norm_updates_the_stream_in_place(dtype):
     out_x, out_h = CPP.add_rms_norm(stream, delta, w, EPS)
     assert out_x is stream
     _close(stream, ref_x, dtype)
-    _close(out_h, ref_h, dtype)
+    _close(out_h, ref_h, dtype, exact=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -65,12 +71,7 @@ def test_silu_and_mul(dtype, width):
     gen = torch.Generator().manual_seed(width)
     gate_up = (torch.randn(64, 2 * width, generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp overflow/underflow
-    ours, ref = CPP.silu_and_mul(gate_up), REF.silu_and_mul(gate_up)
-    if dtype == torch.bfloat16:  # exp differs from torch's in the last float bit: rarely one bfloat16 step
-        assert (ours != ref).float().mean() < 1e-3
-        torch.testing.assert_close(ours, ref, atol=0, rtol=2 ** -7)
-    else:
-        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    _close(CPP.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), dtype, exact=False)
 
 
 def test_bad_shapes_raise():
