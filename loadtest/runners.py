@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 import time
 import traceback
@@ -15,9 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from loadtest import report
+from loadtest import report, workloads
 from loadtest.workloads import BURST_CAPS, BenchRequest
 
 
@@ -284,33 +281,11 @@ def _offered(requests: Sequence[BenchRequest]) -> dict[str, float]:
     return {"offered_output_tok_s": sum(r.output_len for r in requests) / span}
 
 
-def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int) -> list[BenchRequest]:
-    """Prompts of uniform random length in [L(1-r), L(1+r)] cut from the corpus, likewise for outputs."""
-    from loadtest.workloads import corpus_tokens, prompt_slice
-
-    if not 0 <= range_ratio < 1:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
-    if input_len < 1 or output_len < 1:
-        raise ValueError("--input-len and --output-len must be >= 1")
-    rng = np.random.default_rng(seed)
-    tokens = corpus_tokens(tokenizer)
-
-    def draw(n: int) -> int:
-        return int(rng.integers(max(1, math.floor(n * (1 - range_ratio))), math.ceil(n * (1 + range_ratio)) + 1))
-
-    out = []
-    for i in range(num):
-        p, o = draw(input_len), draw(output_len)
-        out.append(BenchRequest(prompt_slice(tokens, i, p), o, 0.0))
-    return out
-
-
 def run_random(args: argparse.Namespace) -> int:
     from loadtest.metrics import format_summary, summarize
 
     systems = _systems(args, TIMED_SYSTEMS)
-    requests = random_requests(_load_tokenizer(args), args.num_requests or 100, args.input_len, args.output_len,
+    requests = workloads.random_requests(_load_tokenizer(args), args.num_requests or 100, args.input_len, args.output_len,
                                args.range_ratio, args.dataset_seed)
     if args.request_rate is not None:  # give the in-process engine the same arrivals as HTTP
         from loadtest.http_client import arrival_schedule

@@ -1,4 +1,4 @@
-"""Benchmark workload generators (burst, poisson, long-prompt) as pure functions.
+"""Benchmark workload generators (burst, poisson, long-prompt, random) as pure functions.
 
 Prompts are slices of the tokenized corpus; all randomness comes from seeded
 ``numpy.random.default_rng`` generators, drawn in the documented order.
@@ -110,3 +110,23 @@ def long_prompt_requests(tokenizer: Any) -> list[BenchRequest]:
         prompt_len, output_len = (2048, 16) if rng.random() < 0.1 else (64, 64)
         reqs.append(BenchRequest(prompt_slice(tokens, i, prompt_len), output_len, times[i]))
     return reqs
+
+
+def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float,
+                    seed: int) -> list[BenchRequest]:
+    """Prompts of uniform random length in [L(1-r), L(1+r)] cut from the corpus, likewise for outputs."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    rng = np.random.default_rng(seed)
+    tokens = corpus_tokens(tokenizer)
+
+    def draw(n: int) -> int:
+        return int(rng.integers(max(1, math.floor(n * (1 - range_ratio))), math.ceil(n * (1 + range_ratio)) + 1))
+
+    out = []
+    for i in range(num):
+        p, o = draw(input_len), draw(output_len)
+        out.append(BenchRequest(prompt_slice(tokens, i, p), o, 0.0))
+    return out

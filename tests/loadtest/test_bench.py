@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from loadtest import bench, report, runners
+from loadtest import bench, report, runners, workloads
 from loadtest.workloads import burst_output_lens
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -168,12 +168,12 @@ def test_kvrelay_cli_dispatches_to_bench(capsys) -> None:
 
 
 def test_random_requests_are_seeded_and_within_range(tokenizer) -> None:
-    a = runners.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
-    b = runners.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
+    a = workloads.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
+    b = workloads.random_requests(tokenizer, 50, 100, 40, 0.25, seed=3)
     assert a == b
     assert all(75 <= len(r.prompt_token_ids) <= 125 and 30 <= r.output_len <= 50 for r in a)
     assert len({len(r.prompt_token_ids) for r in a}) > 5
-    fixed = runners.random_requests(tokenizer, 5, 16, 8, 0.0, seed=0)
+    fixed = workloads.random_requests(tokenizer, 5, 16, 8, 0.0, seed=0)
     assert {(len(r.prompt_token_ids), r.output_len) for r in fixed} == {(16, 8)}
 
 
