@@ -51,11 +51,10 @@ class TorchPagedAttention(AttentionBackend):
             idx = is_decode.nonzero().squeeze(1)
             ctx = context_lens[idx]
             nb = int((ctx.max() + block_size - 1) // block_size)
-            key_pos = torch.arange(nb * block_size)
             extra["dec_tokens"] = starts[idx]
             extra["dec_context_lens"] = ctx
             extra["dec_tables"] = block_tables[idx, :nb].contiguous()
-            extra["dec_mask"] = (key_pos[None, :] < ctx[:, None])[:, None, None, :]
+            extra["block_size"] = block_size
 
         is_chunk = ~is_decode
         if bool(is_chunk.any()):
@@ -84,7 +83,7 @@ class TorchPagedAttention(AttentionBackend):
         """Attention for the requests with several query tokens, written into their rows of `out`."""
         if "chunk_mask" not in x:
             _chunk_layout(x)
-        t, h, d = query.shape
+        _, h, d = query.shape
         g = x["group"]
         kvh = h // g
         tok = x["chunk_tokens"]
@@ -100,6 +99,9 @@ class TorchPagedAttention(AttentionBackend):
         """Attention for single-token queries `q` ([decodes, heads, head_dim])."""
         b, h, d = q.shape
         g = x["group"]
+        if "dec_mask" not in x:  # built once per step on first use (the compiled kernels need none)
+            key_pos = torch.arange(x["dec_tables"].shape[1] * x["block_size"])
+            x["dec_mask"] = (key_pos[None, :] < x["dec_context_lens"][:, None])[:, None, None, :]
         k = _gather_kv(k_cache, x["dec_tables"])
         v = _gather_kv(v_cache, x["dec_tables"])
         o = F.scaled_dot_product_attention(q.view(b, h // g, g, d), k, v, attn_mask=x["dec_mask"], scale=scale)

@@ -57,9 +57,11 @@ struct Paged {
   const uint16_t* v;
   const int64_t* tables;
   int64_t table_width, block_size, kv_heads, dim;
-  // The K (or V) row of KV head `h` at position `p` of the request whose table starts at `t`.
+  // Element offset of position `p`'s row (all KV heads) in either cache, for the request whose table is `t`.
+  int64_t offset(const int64_t* t, int64_t p) const { return (t[p / block_size] * block_size + p % block_size) * kv_heads * dim; }
+  // The K (or V) row of KV head `h` at position `p`.
   const uint16_t* row(const uint16_t* cache, const int64_t* t, int64_t p, int64_t h) const {
-    return cache + ((t[p / block_size] * block_size + p % block_size) * kv_heads + h) * dim;
+    return cache + offset(t, p) + h * dim;
   }
 };
 
@@ -218,10 +220,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
       const int64_t n = (ctx + 15) / 16 * 16;
       const int64_t* table = pg.tables + b * pg.table_width;
       rows.resize(n);
-      for (int64_t p = 0; p < n; ++p) {
-        const int64_t pp = std::min(p, ctx - 1);  // past ctx: any valid row, its score is masked
-        rows[p] = (table[pp / pg.block_size] * pg.block_size + pp % pg.block_size) * KVH * D;
-      }
+      for (int64_t p = 0; p < n; ++p) rows[p] = pg.offset(table, std::min(p, ctx - 1));  // past ctx: any valid row, masked
       scores.assign(H * n, 0.f);
       for (int64_t j = 0; j < KVH; ++j)
         for (int64_t g = 0; g < G; ++g) {

@@ -90,24 +90,6 @@ void rope_kernel(T* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token
   });
 }
 
-// exp(x) to about one float32 ulp (Cephes' polynomial), in plain arithmetic so that loops vectorize.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // gate_up: [rows, 2 * n] -> out: [rows, n] = silu(gate).to(T) * up.
 template <typename T>
 void silu_and_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n) {
@@ -118,7 +100,7 @@ void silu_and_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n) {
       T* __restrict o = out + r * n;
       for (int64_t i = 0; i < n; ++i) {
         const float gi = to_f(g[i]);
-        o[i] = from_f<T>(round_t<T>(gi / (1.f + exp_approx(-gi))) * to_f(u[i]));
+        o[i] = from_f<T>(round_t<T>(gi / (1.f + kvrelay_simd::exp_approx(-gi))) * to_f(u[i]));
       }
     }
   });
@@ -133,7 +115,7 @@ void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloa
       for (int64_t r = begin; r < end; ++r)
         for (int64_t i = 0; i < n; ++i) {
           const float gi = to_f(gate_up[r * 2 * n + i]);
-          out[r * n + i] = from_f<c10::BFloat16>(round_t<c10::BFloat16>(gi / (1.f + exp_approx(-gi))) * to_f(gate_up[r * 2 * n + n + i]));
+          out[r * n + i] = from_f<c10::BFloat16>(round_t<c10::BFloat16>(gi / (1.f + kvrelay_simd::exp_approx(-gi))) * to_f(gate_up[r * 2 * n + n + i]));
         }
     });
     return;
