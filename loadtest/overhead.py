@@ -29,7 +29,7 @@ MODEL_NAME = "kvrelay-bench"
 
 def run_engine_inprocess(llm: Any, requests: Sequence[BenchRequest]) -> tuple[list[RequestResult], float]:
     """Feed `requests` to the engine at their arrival times; per-request token timings from each step."""
-    from workers.engine import OutputKind
+    from workers.output_processor import OutputKind
     from workers.sampling_params import SamplingParams
 
     engine = llm.engine

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from serving.chat import chat_prompt_ids
 from workers.config import EngineConfig
-from workers.engine import Engine, OutputKind
+from workers.engine import Engine
+from workers.output_processor import OutputKind
 from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 

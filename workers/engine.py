@@ -1,30 +1,30 @@
-"""The engine: owns the scheduler, the KV cache and the model runner, and turns one `step()` into
-per-request outputs. Requests with `n > 1` become sibling sequences that share the prompt's blocks."""
+"""The engine: one `step()` schedules, runs the model, applies the sampled tokens and emits outputs.
+
+It wires the parts together and asks; it owns no state of its own kind. The scheduler (through its KV
+cache manager) owns requests' progress and blocks, the model runner owns the cache tensors and the forward
+pass, and the output processor owns text, stop strings, logprobs and `RequestOutput`s. Requests with
+`n > 1` become sibling sequences that share the prompt's blocks."""
 
 from __future__ import annotations
 
-import enum
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kernels.attention import get_attention_backend
 from kernels.layer_ops import get_layer_ops
-from workers.config import EngineConfig, parse_memory
-from workers.detokenizer import IncrementalDetokenizer
+from workers.config import EngineConfig
 from workers.kv_cache_manager import KVCacheManager
-from workers.model_loader import (load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path,
-                                  weight_files)
+from workers.model_loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
 from workers.model_runner import ModelRunner
-from workers.outputs import CompletionOutput, Logprob, RequestOutput
+from workers.output_processor import OutputKind, OutputProcessor
+from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-
-_MAX_DEFAULT_LEN = 8192
+from workers.sizing import num_kv_blocks, resolve_max_model_len
 
 
 @dataclass(slots=True)
@@ -34,12 +34,6 @@ class KVImport:
 
     num_tokens: int
     payload: torch.Tensor
-
-
-class OutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"  # every step: everything so far
-    DELTA = "delta"  # every step: only what is new
-    FINAL_ONLY = "final"  # once, when the request finishes
 
 
 @dataclass
@@ -57,38 +51,6 @@ class EngineStats:
     num_pending_tokens: int = 0  # prompt (or recompute) tokens not yet computed: the prefill backlog
     num_kv_held: int = 0  # finished prefill-only requests whose blocks wait for their transfer
     num_kv_import_fallbacks: int = 0  # imports that found no free blocks and were recomputed instead
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    """Engine-side state of one completion: its scheduler request plus text and logprobs."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None = None
-    sent_tokens: int = 0
-    sent_text: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[_Sequence]
-    output_kind: OutputKind
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    counted_prompt: bool = False
-    kv_imported: bool = False
-    metrics: dict = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
 
 
 def _load_predictor(path: str | None):
@@ -111,41 +73,23 @@ class Engine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         self.dtype = resolve_dtype(config.dtype)
-        model_max = getattr(hf_config, "max_position_embeddings", _MAX_DEFAULT_LEN)
-        self.max_model_len = config.max_model_len or min(model_max, _MAX_DEFAULT_LEN)
-        if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_max}")
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({config.max_num_batched_tokens}) "
-                             f"must be >= max_model_len ({self.max_model_len}); lower max_model_len or raise the budget")
+        self.max_model_len = resolve_max_model_len(config, hf_config)
         self.model = load_model(files, hf_config, self.dtype, self.max_model_len)
-        block_bytes = ModelRunner.kv_bytes_per_block(self.model.args, config.block_size, self.dtype)
-        num_blocks = config.num_kv_blocks or parse_memory(config.kv_cache_memory) // block_bytes
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of "
-                             f"{config.block_size}), fewer than max_model_len {self.max_model_len}; "
-                             "enlarge the cache or lower max_model_len")
-        self.num_kv_blocks = num_blocks
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_kv_blocks = num_kv_blocks(config, self.model.args, self.dtype, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+                            self.max_model_len),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
         attn = get_attention_backend(config.attention_backend)
         # The compiled layer ops come from the same build as the compiled attention: both or neither.
         self.model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
-        self.runner = ModelRunner(self.model, attn, num_blocks, config.block_size, self.dtype, config.seed)
+        self.runner = ModelRunner(self.model, attn, self.num_kv_blocks, config.block_size, self.dtype, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
         self.vocab_size = self.model.args.vocab_size
-        self._groups: dict[str, _Group] = {}
-        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
         self._computed_tokens = 0
-        self._finished: Counter[str] = Counter()
-        self._hold_kv: set[str] = set()
-        self._held: dict[str, Request] = {}
-        self._kv_import_fallbacks = 0
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -178,7 +122,7 @@ class Engine:
         `kv_import.num_tokens` prompt tokens (a decode replica); if the pool has no room for it now, the
         prompt is recomputed instead."""
         params = params or SamplingParams()
-        if request_id in self._groups:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt, prompt_token_ids)
         room = self.max_model_len - len(ids)
@@ -186,205 +130,91 @@ class Engine:
         if max_tokens > room:
             raise ValueError(f"prompt has {len(ids):,} tokens and max_tokens is {max_tokens:,}, together more than "
                              f"max_model_len {self.max_model_len:,}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
-        if kv_import is not None and not 0 < kv_import.num_tokens < len(ids):
-            raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
-                             "(at least the last prompt token must be computed here)")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, prompt if isinstance(prompt, str) else None, ids, [], output_kind, arrival)
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            req = Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens, arrival,
-                          priority, self.eos_token_id, parent_id=request_id, index=i, seed=seed)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop_strings)
-            want_lp = params.logprobs is not None
-            seq = _Sequence(req, detok, [] if want_lp else None, 0.0 if want_lp else None)
-            group.seqs.append(seq)
-            self._seq_of[req.request_id] = (group, seq)
-        self._groups[request_id] = group
-        reqs = [s.request for s in group.seqs]
-        if hold_kv:
-            self._hold_kv.add(reqs[0].request_id)
         if kv_import is not None:
-            group.kv_imported = self._import_kv(reqs[0], kv_import)
-        self.scheduler.add_request(reqs[0], reqs[1:])
-
-    def _import_kv(self, req: Request, kv: KVImport) -> bool:
-        from workers.kv_transfer import unpack_kv
-
-        if not self.kv_cache.allocate_slots(req, kv.num_tokens):
-            self._kv_import_fallbacks += 1
-            return False
-        unpack_kv(self.runner.kv_cache, req.block_ids, kv.num_tokens, kv.payload)
-        req.num_computed_tokens = kv.num_tokens
-        self.kv_cache.cache_computed_blocks(req)
-        return True
+            if not 0 < kv_import.num_tokens < len(ids):
+                raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
+                                 "(at least the last prompt token must be computed here)")
+            self.runner.check_kv_payload(kv_import.num_tokens, kv_import.payload)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        reqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens, arrival,
+                        priority, self.eos_token_id, parent_id=request_id, index=i,
+                        seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv)
+                for i in range(params.n)]
+        imported = self.scheduler.add_request(reqs[0], reqs[1:], kv_import.num_tokens if kv_import else 0)
+        if imported:
+            self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
+        self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind, arrival,
+                                 imported)
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The computed prompt KV of a finished `hold_kv` request, packed for transfer."""
-        from workers.kv_transfer import pack_kv
-
-        req = self._held.get(request_id)
+        req = self.scheduler.held.get(request_id)
         if req is None:
             raise KeyError(f"no held KV for request {request_id!r}")
-        return pack_kv(self.runner.kv_cache, req.block_ids, req.num_computed_tokens)
+        return self.runner.export_kv(req.block_ids, req.num_computed_tokens)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks of a held request (transfer confirmed or lease expired). False if unknown."""
-        req = self._held.pop(request_id, None)
-        if req is None:
-            return False
-        self.kv_cache.free(req)
-        return True
+        return self.scheduler.release_held(request_id)
 
     def holds_kv(self, request_id: str) -> bool:
-        return request_id in self._held
+        return request_id in self.scheduler.held
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are; their blocks go back to the pool. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            group = self._groups.get(rid)
-            if group is None:
-                continue
-            live = [s for s in group.seqs if s.finish_reason is None]
-            for s in live:
-                s.finish_reason = "abort"
-            self._end([s.request for s in live], RequestStatus.FINISHED_ABORTED)
-            self._groups.pop(rid, None)
-            self._finished["abort"] += len(live)
+            self._finish(self.outputs.abort(rid), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self.outputs.request_ids)
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._groups)
+        return self.outputs.request_ids
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences in the policy queue (safe to read from another thread)."""
+        return len(self.scheduler.waiting)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and report the requests that made progress."""
+        """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress."""
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
-        started = time.monotonic()
-        for req in sched.requests:
-            group = self._seq_of[req.request_id][0]
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = started
+        self.outputs.mark_scheduled(sched.requests, time.monotonic())
         result = self.runner.execute(sched)
         self._computed_tokens += sched.total_num_tokens
         sampled = self.scheduler.update_from_output(sched, result.token_ids)
-        now = time.monotonic()
-        touched: dict[str, _Group] = {}
-        stopped: list[Request] = []
-        length: list[Request] = []
-        for req, lp in zip(sampled, result.logprobs):
-            group, seq = self._seq_of[req.request_id]
-            touched[group.request_id] = group
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if not group.counted_prompt:
-                group.counted_prompt = True
-                self._prompt_tokens += len(group.prompt_token_ids)
-            self._generation_tokens += 1
-            token = req.all_token_ids[-1]
-            if lp is not None:
-                self._record_logprobs(seq, token, lp)
-            reason = self._check_stop(req, seq, token)
-            if reason == "stop":
-                stopped.append(req)
-            elif reason == "length":
-                length.append(req)
-        self._end(stopped, RequestStatus.FINISHED_STOPPED)
-        self._end(length, RequestStatus.FINISHED_LENGTH)
-        outputs = []
-        for group in touched.values():
-            if group.finished:
-                group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
-                                 "first_token_time": group.first_token_time, "finished_time": now,
-                                 "kv_imported": group.kv_imported, "kv_handoff": group.request_id in self._held}
-                self._groups.pop(group.request_id, None)
-            if group.finished or group.output_kind is not OutputKind.FINAL_ONLY:
-                outputs.append(self._make_output(group))
+        outputs, stopped = self.outputs.process(sampled, result.logprobs, time.monotonic())
+        self._finish(stopped, RequestStatus.FINISHED_STOPPED)
+        self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs
 
-    def _check_stop(self, req: Request, seq: _Sequence, token: int) -> str | None:
-        p = req.sampling_params
-        n_out = req.num_output_tokens
-        hit = seq.detokenizer.update([token])
-        if n_out > p.min_tokens or n_out == req.max_tokens:
-            if token == req.eos_token_id and not p.ignore_eos:
-                seq.finish_reason = "stop"
-            elif token in p.stop_token_ids:
-                seq.finish_reason, req.stop_reason = "stop", token
-            elif hit is not None:
-                seq.finish_reason, req.stop_reason = "stop", hit
-        if seq.finish_reason is None and (n_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            handoff = seq.finish_reason == "length" and req.request_id in self._hold_kv
-            self._finished["handoff" if handoff else seq.finish_reason] += 1  # handoff: the decode pool goes on
-        return seq.finish_reason
-
-    def _record_logprobs(self, seq: _Sequence, token: int, lp: tuple) -> None:
-        chosen_lp, rank, top_ids, top_lps = lp
-        entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids, top_lps))}
-        entry[token] = Logprob(chosen_lp, rank)
-        for tid, item in entry.items():
-            item.decoded_token = self.tokenizer.decode([tid])
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += chosen_lp
-
-    def _end(self, requests: list[Request], status: RequestStatus) -> None:
-        held = [r for r in requests if r.request_id in self._hold_kv]
-        if held:
-            self._hold_kv.difference_update(r.request_id for r in held)
-            keep = status is not RequestStatus.FINISHED_ABORTED
-            self.scheduler.finish_requests(held, status, free_blocks=not keep)
-            if keep:
-                self._held.update((r.request_id, r) for r in held)
-        self.scheduler.finish_requests([r for r in requests if r not in held] if held else requests, status)
-        predictor = getattr(self.scheduler.waiting, "predictor", None)
-        for req in requests:
-            self.runner.release(req.request_id)
-            self._seq_of.pop(req.request_id, None)
-            if predictor is not None and status is not RequestStatus.FINISHED_ABORTED:
-                predictor.observe(req)
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        delta = group.output_kind is OutputKind.DELTA
-        outs = []
-        for seq in group.seqs:
-            req = seq.request
-            tokens = req.output_token_ids
-            text = seq.detokenizer.output_text
-            lps = seq.logprobs
-            if delta:
-                tokens, text = tokens[seq.sent_tokens:], text[seq.sent_text:]
-                lps = None if lps is None else lps[seq.sent_tokens:]
-                seq.sent_tokens += len(tokens)
-                seq.sent_text += len(text)
-            outs.append(CompletionOutput(req.index, text, list(tokens), seq.cumulative_logprob,
-                                         None if lps is None else list(lps), seq.finish_reason, req.stop_reason))
-        first = group.seqs[0].request
-        cached = max(first.num_cached_tokens, 0)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished, cached,
-                             group.metrics)
+    def _finish(self, requests: list[Request], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(requests, status)
+        self.runner.release([r.request_id for r in requests])
 
     def get_stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.kv_cache
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache.usage,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_running=len(s.running),
+            num_waiting=s.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_preemptions=s.num_preemptions,
+            prompt_tokens=self.outputs.prompt_tokens,
+            generation_tokens=self.outputs.generation_tokens,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
             computed_tokens=self._computed_tokens,
-            finished=dict(self._finished),
-            num_kv_held=len(self._held),
-            num_kv_import_fallbacks=self._kv_import_fallbacks,
-            num_pending_tokens=sum(s.request.num_tokens - s.request.num_computed_tokens for _, s in self._seq_of.values()),
+            finished=dict(self.outputs.finished),
+            num_kv_held=len(s.held),
+            num_kv_import_fallbacks=s.num_import_fallbacks,
+            num_pending_tokens=s.num_pending_tokens,
         )

@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from workers.engine import Engine, EngineStats, KVImport, OutputKind
+from workers.engine import Engine, EngineStats, KVImport
 from workers.messages import GenerateRequest
+from workers.output_processor import OutputKind
 from workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class EngineLoop:
     def num_waiting(self) -> int:
         """Requests waiting to be scheduled: in the inbox or in the scheduler's queue (read live; a
         deque's length is safe to read from another thread)."""
-        return self._queued + len(self.engine.scheduler.waiting)
+        return self._queued + self.engine.num_waiting
 
     def add(self, request: GenerateRequest, kv_import: KVImport | None = None) -> None:
         with self._lock:
@@ -108,8 +109,17 @@ class EngineLoop:
                        if o.finished and self.engine.holds_kv(o.request_id)}
             self.stats = self.engine.get_stats()
             if outputs or errors:
-                self._publish(outputs, errors, self.stats, exports)
+                self._safe_publish(outputs, errors, exports)
             elif not self.engine.has_unfinished_requests():
-                self._publish([], {}, self.stats, {})
+                self._safe_publish([], {}, {})
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+
+    def _safe_publish(self, outputs: list[RequestOutput], errors: dict[str, str],
+                      exports: dict[str, torch.Tensor]) -> None:
+        """Publish one step; a failure there is logged and never ends the loop (its requests still end:
+        the subscriber's stream or the lease is the backstop)."""
+        try:
+            self._publish(outputs, errors, self.stats, exports)
+        except Exception:
+            logger.exception("publishing an engine step failed")

@@ -26,13 +26,30 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)
 
-    @staticmethod
-    def kv_bytes_per_block(model_args, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return model_args.num_layers * 2 * block_size * model_args.num_kv_heads * model_args.head_dim * elem
+    def release(self, request_ids: list[str]) -> None:
+        """Forget finished requests' seeded generators."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
 
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+    def check_kv_payload(self, num_tokens: int, payload: torch.Tensor) -> None:
+        """Raise ValueError unless `payload` is `num_tokens` tokens of KV in this cache's layout."""
+        num_layers, _, _, _, num_kv_heads, head_dim = self.kv_cache.shape
+        expected = (num_layers, 2, num_tokens, num_kv_heads, head_dim)
+        if tuple(payload.shape) != expected or payload.dtype != self.kv_cache.dtype:
+            raise ValueError(f"KV payload {tuple(payload.shape)} {payload.dtype} does not fit this cache: "
+                             f"expected {expected} {self.kv_cache.dtype}")
+
+    def import_kv(self, block_ids: list[int], num_tokens: int, payload: torch.Tensor) -> None:
+        """Write KV computed elsewhere into the blocks the scheduler allocated for it."""
+        from workers.kv_transfer import unpack_kv
+
+        unpack_kv(self.kv_cache, block_ids, num_tokens, payload)
+
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """The first `num_tokens` tokens' KV from `block_ids`, packed for transfer."""
+        from workers.kv_transfer import pack_kv
+
+        return pack_kv(self.kv_cache, block_ids, num_tokens)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -46,6 +46,7 @@ class Request:
     stop_reason: int | str | None = None
     predicted_cost: float = 0.0
     fork_source: Request | None = None  # an n>1 sibling whose prompt blocks this request may share
+    hold_kv: bool = False  # prefill replica: keep the blocks when the request finishes, until released
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

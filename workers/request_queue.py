@@ -47,6 +47,9 @@ class RequestQueue(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
+    def on_finished(self, request: Request) -> None:
+        """Called by the scheduler when a request finishes (not aborted); policies may learn from it."""
+
 
 class FCFSQueue(RequestQueue):
     """First come, first served; preempted requests go back to the front."""
@@ -163,6 +166,9 @@ class PredictedLengthQueue(HeapQueue):
         if request.num_preemptions == 0:
             request.predicted_cost = self.predictor.predict(request)
         super().add(request)
+
+    def on_finished(self, request: Request) -> None:
+        self.predictor.observe(request)
 
 
 def make_request_queue(policy: SchedulingPolicy | str, predictor: LengthPredictor | None = None) -> RequestQueue:

@@ -2,7 +2,12 @@
 
 There are no prefill and decode phases: a request owes `num_tokens - num_computed_tokens` tokens and gets
 as many as the budget allows (a decode owes one). When the KV pool runs dry, the running request the
-policy ranks lowest is preempted by recompute."""
+policy ranks lowest is preempted by recompute.
+
+The scheduler, through its `KVCacheManager`, is the only owner of KV blocks: it allocates, shares, frees,
+holds (a prefill replica keeps a finished prompt's blocks until `release_held`) and places imported KV
+(`add_request(..., num_imported_tokens=...)`). It also ends requests on token-level stops (EOS, stop token
+ids, `max_tokens`, `max_model_len`) as it applies each step's sampled tokens."""
 
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ from workers.request_queue import RequestQueue
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
+    """The scheduler's share of the engine's options (defined, with defaults and help, in `EngineConfig`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
 
 
 @dataclass(slots=True)
@@ -42,23 +50,43 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         # Siblings of an n>1 request wait here until their leader has computed the shared prompt.
         self.pending_forks: dict[str, list[Request]] = {}
+        # Finished `hold_kv` requests whose blocks wait for `release_held` (their KV is being transferred).
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_import_fallbacks = 0  # imported KV that found no free blocks: the prompt is recomputed
 
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(len(v) for v in self.pending_forks.values())
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Prompt (or recompute) tokens not yet computed: the prefill backlog."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values())
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def add_request(self, request: Request, siblings: list[Request] | None = None) -> None:
-        """Queue a request; `siblings` share its prompt and start once the leader has computed it."""
+    def add_request(self, request: Request, siblings: list[Request] | None = None,
+                    num_imported_tokens: int = 0) -> bool:
+        """Queue a request; `siblings` share its prompt and start once the leader has computed it.
+
+        `num_imported_tokens`: the first tokens' KV was computed elsewhere; their blocks are allocated
+        now and counted as computed, and the caller writes the KV into `request.block_ids` before the next
+        `schedule()`. Returns False if the pool has no room for them (the prompt is then computed here)."""
+        imported = num_imported_tokens > 0 and self.kv_cache.allocate_slots(request, num_imported_tokens)
+        if num_imported_tokens > 0 and not imported:
+            self.num_import_fallbacks += 1
+        if imported:
+            request.num_computed_tokens = num_imported_tokens
+            self.kv_cache.cache_computed_blocks(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if siblings:
             for sib in siblings:
                 self.requests[sib.request_id] = sib
             self.pending_forks[request.request_id] = list(siblings)
+        return imported
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -135,8 +163,9 @@ class Scheduler:
         self.waiting.prepend(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance each scheduled request by its chunk; those that reached their end take a new token.
-        Returns the requests that sampled, in batch order."""
+        """Advance each scheduled request by its chunk; those that reached their end take a new token,
+        and those whose token stops them are finished (`status` tells). Returns the requests that
+        sampled, in batch order."""
         sampled: list[Request] = []
         tokens = iter(sampled_token_ids)
         for req, n in zip(out.requests, out.num_new_tokens):
@@ -147,16 +176,36 @@ class Scheduler:
                     self._release_siblings(req, share=True)
                 req.append_token(next(tokens))
                 sampled.append(req)
+                status = self.check_stop(req)
+                if status is not None:
+                    self.finish_requests([req], status)
         return sampled
+
+    def check_stop(self, req: Request) -> RequestStatus | None:
+        """The finished status the request's newest token gives it, if any. Stops (EOS, stop token ids)
+        count once `min_tokens` are out (the sampler masks them before) or at `max_tokens`."""
+        p = req.sampling_params
+        n_out, token = req.num_output_tokens, req.all_token_ids[-1]
+        if n_out > p.min_tokens or n_out == req.max_tokens:
+            if token == req.eos_token_id and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _release_siblings(self, leader: Request, share: bool) -> None:
         for sib in self.pending_forks.pop(leader.request_id, []):
             sib.fork_source = leader if share else None
             self.waiting.add(sib)
 
-    def finish_requests(self, requests: list[Request], status: RequestStatus, free_blocks: bool = True) -> None:
-        """End requests (running, waiting or pending): free their blocks (unless the caller keeps them,
-        as a prefill replica does until its KV is transferred) and forget them."""
+    def finish_requests(self, requests: list[Request], status: RequestStatus) -> None:
+        """End requests (running, waiting or pending) and forget them; already finished ones are skipped.
+        Their blocks go back to the pool, except a `hold_kv` request that did not abort: its blocks stay
+        in `held` until `release_held`."""
+        requests = [r for r in requests if not r.status.finished]
         if not requests:
             return
         done = set(requests)
@@ -164,11 +213,24 @@ class Scheduler:
         for req in requests:
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req in self.waiting:
                 self.waiting.remove(req)
-            for leader_id, sibs in list(self.pending_forks.items()):
+            for sibs in self.pending_forks.values():
                 if req in sibs:
                     sibs.remove(req)
             self._release_siblings(req, share=False)
-            if free_blocks:
-                self.kv_cache.free(req)
             req.status = status
             self.requests.pop(req.request_id, None)
+            if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+                self.held[req.request_id] = req
+            else:
+                self.kv_cache.free(req)
+            if status is not RequestStatus.FINISHED_ABORTED:
+                self.waiting.on_finished(req)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a held request (its transfer is confirmed or its lease expired). False if
+        unknown."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv_cache.free(req)
+        return True

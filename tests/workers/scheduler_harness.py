@@ -54,7 +54,7 @@ class Result:
 class Harness:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked: bool = True, prefix_caching: bool = True, policy: str = "fcfs") -> None:
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked)
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, max_model_len=1 << 20)
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         self.sched = Scheduler(self.config, self.kv, make_request_queue(policy))
         self.pool = self.kv.pool
@@ -163,11 +163,11 @@ class Harness:
         done = [r for r in sampled if r.num_output_tokens >= r.max_tokens]
         for r in sampled:
             assert r.num_output_tokens <= r.max_tokens
+            # the scheduler ends a request at max_tokens itself, freeing its blocks
+            assert (r.status is RequestStatus.FINISHED_LENGTH) == (r in done)
         for r in done:
             self.result.outputs[r.request_id] = list(r.output_token_ids)
-        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
-        for r in done:
-            assert r.block_ids == []
+            assert r.block_ids == [] and r.request_id not in sched.requests
         self.check_pool()
         after = {id(r): r.num_computed_tokens for r in self.live()}
         return bool(out.requests) or bool(out.preempted) or bool(done) or before != after

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serving import LLM, SamplingParams
-from workers.engine import OutputKind
+from workers.output_processor import OutputKind
 from workers.sampler import sample
 
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from scheduler_harness import POLICIES, Harness, Spec, expected_output, fake_token, make_req
 from workers.kv_cache_manager import KVCacheManager, cdiv
-from workers.request import RequestStatus
+from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
+from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 
 
@@ -282,7 +283,7 @@ def test_predicted_policy_predicts_cost_for_siblings():
             pass
 
     kv = KVCacheManager(50, 4)
-    sched = Scheduler(SchedulerConfig(8, 64, True), kv, make_request_queue("predicted", Fixed()))
+    sched = Scheduler(SchedulerConfig(8, 64, True, 1024), kv, make_request_queue("predicted", Fixed()))
     leader = make_req("a", list(range(9)), 3, 0.0)
     sib = make_req("a#1", list(range(9)), 3, 0.0)
     sched.add_request(leader, [sib])
@@ -291,3 +292,103 @@ def test_predicted_policy_predicts_cost_for_siblings():
     assert sib.fork_source is leader  # queued to share the leader's blocks
     assert leader.predicted_cost == 50.0
     assert sib.predicted_cost == 50.0
+
+
+# ---- block ownership: token-level stops, held KV, imported KV ----------------------------------------
+
+
+def _sched(num_blocks: int = 20, block_size: int = 4, max_model_len: int = 64, policy: str = "fcfs") -> Scheduler:
+    return Scheduler(SchedulerConfig(8, 64, True, max_model_len), KVCacheManager(num_blocks, block_size),
+                     make_request_queue(policy))
+
+
+def _run_prompt(sched: Scheduler, req, token: int):
+    out = sched.schedule()
+    assert req in out.requests
+    return sched.update_from_output(out, [token])
+
+
+def test_token_level_stops_finish_and_free_inside_the_scheduler():
+    sched = _sched()
+    free = sched.kv_cache.pool.num_free_blocks
+    eos = Request("eos", [1, 2, 3], SamplingParams(max_tokens=5), 5, eos_token_id=9)
+    sched.add_request(eos)
+    assert _run_prompt(sched, eos, 9) == [eos]
+    assert eos.status is RequestStatus.FINISHED_STOPPED and eos.block_ids == [] and eos.stop_reason is None
+    stop_id = Request("sid", [1, 2, 3], SamplingParams(max_tokens=5, stop_token_ids=[7]), 5, eos_token_id=9)
+    sched.add_request(stop_id)
+    _run_prompt(sched, stop_id, 7)
+    assert stop_id.status is RequestStatus.FINISHED_STOPPED and stop_id.stop_reason == 7
+    ignore = Request("ign", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), 2, eos_token_id=9)
+    sched.add_request(ignore)
+    _run_prompt(sched, ignore, 9)
+    assert ignore.status is RequestStatus.RUNNING
+    sched.update_from_output(sched.schedule(), [9])
+    assert ignore.status is RequestStatus.FINISHED_LENGTH  # max_tokens, EOS ignored
+    long = Request("len", list(range(62)), SamplingParams(max_tokens=None), 2, eos_token_id=9)
+    sched.add_request(long)
+    _run_prompt(sched, long, 1)
+    sched.update_from_output(sched.schedule(), [1])
+    assert long.status is RequestStatus.FINISHED_LENGTH and long.num_tokens == 64  # max_model_len
+    assert sched.kv_cache.pool.num_free_blocks == free and not sched.has_unfinished_requests()
+
+
+def test_min_tokens_defers_token_stops():
+    sched = _sched()
+    req = Request("m", [1, 2], SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=[7]), 5, eos_token_id=9)
+    sched.add_request(req)
+    _run_prompt(sched, req, 9)
+    sched.update_from_output(sched.schedule(), [7])
+    assert req.status is RequestStatus.RUNNING  # 2 tokens out: not yet past min_tokens
+    sched.update_from_output(sched.schedule(), [7])
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.num_output_tokens == 3
+
+
+def test_held_blocks_stay_until_released_and_aborts_never_hold():
+    sched = _sched()
+    free = sched.kv_cache.pool.num_free_blocks
+    req = Request("p", list(range(10)), SamplingParams(max_tokens=1), 1, hold_kv=True)
+    sched.add_request(req)
+    _run_prompt(sched, req, 3)
+    assert req.status is RequestStatus.FINISHED_LENGTH
+    assert sched.held == {"p": req} and len(req.block_ids) == 3 and req.num_computed_tokens == 10
+    assert sched.kv_cache.pool.num_free_blocks == free - 3
+    assert sched.release_held("p") and not sched.release_held("p")
+    assert req.block_ids == [] and sched.kv_cache.pool.num_free_blocks == free
+    aborted = Request("q", list(range(10)), SamplingParams(max_tokens=1), 1, hold_kv=True)
+    sched.add_request(aborted)
+    sched.schedule()
+    sched.finish_requests([aborted], RequestStatus.FINISHED_ABORTED)
+    assert sched.held == {} and sched.kv_cache.pool.num_free_blocks == free
+
+
+def test_imported_kv_is_placed_by_the_scheduler_or_recomputed_when_full():
+    sched = _sched(num_blocks=4, block_size=4)
+    req = Request("d", list(range(9)), SamplingParams(max_tokens=2), 2)
+    assert sched.add_request(req, num_imported_tokens=8)
+    assert req.num_computed_tokens == 8 and len(req.block_ids) == 2
+    out = sched.schedule()
+    assert out.num_new_tokens == [1] and req.num_cached_tokens == 8  # only the last prompt token is computed
+    other = Request("e", list(range(20, 29)), SamplingParams(max_tokens=2), 2)
+    assert not sched.add_request(other, num_imported_tokens=8)  # 1 block left: falls back to recompute
+    assert other.block_ids == [] and other.num_computed_tokens == 0 and sched.num_import_fallbacks == 1
+
+
+def test_finished_requests_feed_the_policy_hook_but_aborts_do_not():
+    seen = []
+
+    class Recorder:
+        def predict(self, request):
+            return 1.0
+
+        def observe(self, request):
+            seen.append(request.request_id)
+
+    sched = Scheduler(SchedulerConfig(8, 64, True, 64), KVCacheManager(20, 4), make_request_queue("predicted", Recorder()))
+    done = Request("done", [1, 2], SamplingParams(max_tokens=1), 1)
+    gone = Request("gone", [1, 2], SamplingParams(max_tokens=1), 1)
+    sched.add_request(done)
+    sched.add_request(gone)
+    sched.finish_requests([gone], RequestStatus.FINISHED_ABORTED)
+    _run_prompt(sched, done, 5)
+    assert seen == ["done"]

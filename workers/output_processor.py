@@ -1,0 +1,184 @@
+"""Turning sampled tokens into what callers see: incremental text, stop strings, logprobs, `n > 1`
+groups and `RequestOutput`s (cumulative, delta or final-only), plus the token and finish counters.
+
+The scheduler owns requests' tokens and blocks; this module only reads them. A stop string is found here,
+so the requests it ends are handed back to the engine, which finishes them in the scheduler."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from workers.detokenizer import IncrementalDetokenizer
+from workers.outputs import CompletionOutput, Logprob, RequestOutput
+from workers.request import Request, RequestStatus
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"  # every step: everything so far
+    DELTA = "delta"  # every step: only what is new
+    FINAL_ONLY = "final"  # once, when the request finishes
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    """One completion: its scheduler request plus text and logprobs."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """The completions of one request (`n` of them), reported together."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    output_kind: OutputKind
+    arrival_time: float
+    kv_imported: bool = False
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    counted_prompt: bool = False
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()  # by finish reason; "handoff": a prefill replica's hand-off
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._groups)
+
+    def add_request(self, request_id: str, prompt: str | None, requests: list[Request], output_kind: OutputKind,
+                    arrival_time: float, kv_imported: bool) -> None:
+        """Track a request whose completions are `requests` (one per `n`, sharing the prompt)."""
+        ids = requests[0].prompt_token_ids
+        group = _Group(request_id, prompt, ids, [], output_kind, arrival_time, kv_imported)
+        for req in requests:
+            p = req.sampling_params
+            detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop_strings)
+            want_lp = p.logprobs is not None
+            seq = _Sequence(req, detok, [] if want_lp else None, 0.0 if want_lp else None)
+            group.seqs.append(seq)
+            self._seq_of[req.request_id] = (group, seq)
+        self._groups[request_id] = group
+
+    def mark_scheduled(self, requests: list[Request], now: float) -> None:
+        for req in requests:
+            group = self._seq_of[req.request_id][0]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Forget a request; returns its unfinished sequences' requests for the scheduler to finish."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return []
+        live = [s for s in group.seqs if s.finish_reason is None]
+        for s in live:
+            s.finish_reason = "abort"
+            self._seq_of.pop(s.request.request_id, None)
+        self.finished["abort"] += len(live)
+        return [s.request for s in live]
+
+    def process(self, sampled: list[Request], logprobs: list, now: float) -> tuple[list[RequestOutput], list[Request]]:
+        """Detokenize each request's new token and check its stop strings. Returns the outputs of the
+        requests that made progress, and the requests a stop string ended (still running in the scheduler)."""
+        touched: dict[str, _Group] = {}
+        stopped: list[Request] = []
+        for req, lp in zip(sampled, logprobs):
+            group, seq = self._seq_of[req.request_id]
+            touched[group.request_id] = group
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if not group.counted_prompt:
+                group.counted_prompt = True
+                self.prompt_tokens += len(group.prompt_token_ids)
+            self.generation_tokens += 1
+            token = req.all_token_ids[-1]
+            if lp is not None:
+                self._record_logprobs(seq, token, lp)
+            if self._update(req, seq, token) and not req.status.finished:
+                stopped.append(req)
+        outputs = []
+        for group in touched.values():
+            if group.finished:
+                group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
+                                 "first_token_time": group.first_token_time, "finished_time": now,
+                                 "kv_imported": group.kv_imported,
+                                 "kv_handoff": any(s.request.hold_kv for s in group.seqs)}
+                del self._groups[group.request_id]
+                for s in group.seqs:
+                    self._seq_of.pop(s.request.request_id, None)
+            if group.finished or group.output_kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(group))
+        return outputs, stopped
+
+    def _update(self, req: Request, seq: _Sequence, token: int) -> bool:
+        """Detokenize the new token and set the finish reason; True if the sequence finished. A token-level
+        stop (the scheduler's) comes first, then a stop string, then length."""
+        p = req.sampling_params
+        hit = seq.detokenizer.update([token])
+        n_out = req.num_output_tokens
+        if req.status is RequestStatus.FINISHED_STOPPED:
+            seq.finish_reason = "stop"
+        elif hit is not None and (n_out > p.min_tokens or n_out == req.max_tokens):
+            seq.finish_reason, req.stop_reason = "stop", hit
+        elif req.status is RequestStatus.FINISHED_LENGTH:
+            seq.finish_reason = "length"
+        if seq.finish_reason is None:
+            return False
+        handoff = seq.finish_reason == "length" and req.hold_kv
+        self.finished["handoff" if handoff else seq.finish_reason] += 1  # handoff: the decode pool goes on
+        return True
+
+    def _record_logprobs(self, seq: _Sequence, token: int, lp: tuple) -> None:
+        chosen_lp, rank, top_ids, top_lps = lp
+        entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids, top_lps))}
+        entry[token] = Logprob(chosen_lp, rank)
+        for tid, item in entry.items():
+            item.decoded_token = self.tokenizer.decode([tid])
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += chosen_lp
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        delta = group.output_kind is OutputKind.DELTA
+        outs = []
+        for seq in group.seqs:
+            req = seq.request
+            tokens = req.output_token_ids
+            text = seq.detokenizer.output_text
+            lps = seq.logprobs
+            if delta:
+                tokens, text = tokens[seq.sent_tokens:], text[seq.sent_text:]
+                lps = None if lps is None else lps[seq.sent_tokens:]
+                seq.sent_tokens += len(tokens)
+                seq.sent_text += len(text)
+            outs.append(CompletionOutput(req.index, text, list(tokens), seq.cumulative_logprob,
+                                         None if lps is None else list(lps), seq.finish_reason, req.stop_reason))
+        first = group.seqs[0].request
+        cached = max(first.num_cached_tokens, 0)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished, cached,
+                             group.metrics)
