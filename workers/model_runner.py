@@ -8,6 +8,7 @@ import torch
 
 from kernels.attention import AttentionBackend
 from workers.models.llama import LlamaForCausalLM
+from workers.request import Request
 from workers.sampler import SampleOutput, sample
 from workers.scheduler import SchedulerOutput
 
@@ -86,4 +87,13 @@ class ModelRunner:
         sampled = [reqs[i] for i in samples]
         params = [r.sampling_params for r in sampled]
         gens = [self._generator(r.request_id, r.seed) for r in sampled]
-        return sample(logits, params, gens)
+        return sample(logits, params, gens, [_min_tokens_ban(r) for r in sampled])
+
+
+def _min_tokens_ban(req: Request) -> list[int] | None:
+    """Tokens that would stop the request before its `min_tokens` are out: EOS and the stop token ids."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        return None
+    eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
+    return eos + p.stop_token_ids or None

@@ -1,6 +1,7 @@
 """Turning the step's logits into tokens, vectorised over the rows that sample.
 
-Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then sample by the
+Rows still short of `min_tokens` cannot pick the tokens that would stop them (EOS, stop token ids); the
+logprobs reported are the model's own, before that mask. Greedy rows take the argmax. Random rows apply temperature, top-k and top-p, then sample by the
 exponential-race trick (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw their noise from
 their own generator while the rest share one draw."""
 
@@ -34,9 +35,23 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SampleOutput:
+def _mask_banned(logits: torch.Tensor, banned: list[list[int] | None]) -> torch.Tensor:
+    """A copy of `logits` with each row's banned tokens at -inf (the same tensor if none are banned)."""
+    rows = [i for i, b in enumerate(banned) if b]
+    if not rows:
+        return logits
+    row_idx = torch.tensor([i for i in rows for _ in banned[i]])
+    tok_idx = torch.tensor([t for i in rows for t in banned[i]])
+    return logits.index_put((row_idx, tok_idx), torch.tensor(float("-inf"), dtype=logits.dtype))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           banned: list[list[int] | None] | None = None) -> SampleOutput:
     """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
-    logprobs run in float32 on the rows that need them); one `params` and optional generator per row."""
+    logprobs run in float32 on the rows that need them); one `params`, optional generator and optional
+    list of banned token ids per row."""
+    raw = logits
+    logits = _mask_banned(logits, banned or [])
     greedy_tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~3x faster on the CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens
@@ -61,7 +76,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if want:
         idx = torch.tensor(want)
-        lp = logits[idx].float().log_softmax(-1)
+        lp = raw[idx].float().log_softmax(-1)
         chosen = tokens[idx]
         chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
         ranks = (lp > chosen_lp[:, None]).sum(-1) + 1

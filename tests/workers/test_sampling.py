@@ -108,3 +108,28 @@ def test_sampler_filters():
             seen[row].add(tok)
     assert seen[0] == {2, 3}
     assert seen[1] == {0, 1}  # probabilities .64, .24, .09, .03: the nucleus of 0.7 needs two tokens
+
+
+def test_min_tokens_masks_stop_tokens_instead_of_emitting_them(llm, make_prompts):
+    """Before `min_tokens` are out, the stop tokens cannot be sampled at all (vLLM's behaviour); they
+    used to be sampled and then ignored, so a stop token (or EOS) could appear mid-output."""
+    (prompt,) = make_prompts([50], seed=4)
+    full = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0]
+    first = full.token_ids[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3,
+                                              stop_token_ids=[first]))[0].outputs[0]
+    assert first not in out.token_ids[:3]
+    assert out.token_ids[0] != full.token_ids[0]
+
+
+def test_sampler_bans_tokens_but_reports_raw_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 3.0], [0.0, 1.0, 5.0, 3.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=1, logprobs=1)]
+    for _ in range(20):
+        out = sample(logits, params, [None, torch.Generator().manual_seed(_)], [[2], [2, 3]])
+        assert out.token_ids[0] == 3 and out.token_ids[1] in (0, 1)
+    raw = logits[0].log_softmax(-1)
+    assert out.logprobs[0][0] == pytest.approx(float(raw[3]))  # the model's logprob, not the masked one
+    assert out.logprobs[0][1] == 2  # its rank among all tokens
+    none = sample(logits, params[:1] * 2, [None, None], [None, None])
+    assert none.token_ids == [2, 2]
