@@ -87,6 +87,10 @@ class EngineWorker:
         if rid in self._in_flight:
             yield Rejected(400, f"request id {rid!r} is already in use")
             return
+        if request.hold_kv and self.role != "prefill":
+            yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
+                                "holds KV for a hand-off (hold_kv)")
+            return
         kv: KVImport | None = None
         if request.kv_ticket is not None:
             kv = await self._fetch_kv(request)
