@@ -1,5 +1,5 @@
-"""Point-to-point KV transfer (`gloo`, and `nccl` for CUDA tensors) over a two-rank process group made
-per (sender, receiver) pair, without `init_process_group`, so replicas can come and go.
+"""The `gloo` and `nccl` KV transports: point to point (NCCL for CUDA tensors) over a two-rank process
+group made per (sender, receiver) pair, without `init_process_group`, so replicas can come and go.
 
 Point-to-point protocol over the sender's TCPStore (every message is JSON pushed to the queue `kvt/inbox`,
 served in order by one sender thread):
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, KVTransferMeta, KVTransferTimeout
+from workers.kv_transfer.base import KVReceiver, KVSender, KVTransferError, KVTransferTimeout
+from workers.kv_transfer.layout import KVTransferMeta
 
 logger = logging.getLogger(__name__)
 INBOX = "kvt/inbox"
