@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from router.disaggregated import DisaggregatedClient
 from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
 from serving.chat import chat_prompt_ids
+from serving.disaggregated import DisaggregatedClient
 from serving.engine_client import EngineClient, EngineError, RequestStream, call
 from serving.errors import OpenAIError, from_validation_error, install_error_handlers
 from serving.metrics import merge_expositions

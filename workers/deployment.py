@@ -182,10 +182,18 @@ class EngineWorker:
         if not self.loop.is_alive():
             raise RuntimeError("the engine loop thread has stopped")
 
-    def __del__(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the engine loop, then close the KV sender or receiver (their threads, stores and groups).
+        Serve calls `__del__` when it shuts the replica down; attributes may be missing if `__init__` failed."""
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        for end in (getattr(self, "_sender", None), getattr(self, "_receiver", None)):
+            if end is not None:
+                end.close()
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     # ---- engine thread -> event loop -----------------------------------------------------------
 

@@ -3,14 +3,18 @@ object-store and gloo transports between two Ray actors."""
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from workers.kv_transfer import (KVLayout, KVTransferMeta, make_receiver, make_sender, pack_kv,
+from workers.kv_transfer import (KVLayout, KVTransferError, KVTransferMeta, make_receiver, make_sender, pack_kv,
                                  resolve_transport, unpack_kv)
+from workers.kv_transfer.p2p import P2PReceiver, P2PSender
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
 
@@ -89,6 +93,58 @@ def test_resolve_transport():
             bad()
     with pytest.raises(ValueError, match="nccl"):
         resolve_transport("nccl", torch.device("cpu"))
+
+
+def _transport_threads() -> dict[str, int]:
+    """Live threads of the p2p transports: our Python ones by name, and the native ones of gloo and the
+    TCPStore by their OS thread name (Linux only)."""
+    counts = {name: 0 for name in ("kv-sender", "kv-bye", "gloo", "pt_gloo", "pt_tcpstore")}
+    for t in threading.enumerate():
+        if t.name in counts:
+            counts[t.name] += 1
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            comm = open(f"/proc/self/task/{tid}/comm").read()
+        except OSError:  # the thread ended while we listed
+            continue
+        for prefix in ("gloo", "pt_gloo", "pt_tcpstore"):
+            if comm.startswith(prefix + "_"):
+                counts[prefix] += 1
+    return counts
+
+
+def _offer(sender: P2PSender, cache: torch.Tensor, request_id: str):
+    payload = pack_kv(cache, [0, 1], 20)
+    return payload, sender.offer(request_id, payload, KVTransferMeta(request_id, 20, KVLayout.of(cache, "m"),
+                                                                     "gloo", payload.nbytes))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts native threads in /proc")
+def test_gloo_close_stops_every_thread_and_drops_the_pairs():
+    cache = _cache(4, 16, torch.float32, seed=0)
+    before = _transport_threads()
+    sender, receiver = P2PSender("gloo", host="127.0.0.1", timeout_s=10), P2PReceiver("gloo", host="127.0.0.1")
+    for rid in ("a", "b"):
+        payload, ticket = _offer(sender, cache, rid)
+        assert torch.equal(receiver.fetch(ticket, timeout_s=10), payload)
+    running = _transport_threads()
+    assert running["kv-sender"] == before["kv-sender"] + 1
+    assert running["pt_gloo"] >= before["pt_gloo"] + 2 and running["pt_tcpstore"] > before["pt_tcpstore"]
+
+    receiver.close()
+    sender.close()
+    gc.collect()
+    assert _transport_threads() == before
+    assert not receiver._pairs and not receiver._sender_locks and not sender._groups and not sender._payloads
+
+    _, ticket = _offer(sender, cache, "c")  # a closed sender starts afresh; a gone one fails the fetch
+    receiver.fetch(_offer(sender, cache, "d")[1], timeout_s=10)
+    sender.close()
+    with pytest.raises(KVTransferError):
+        receiver.fetch(ticket, timeout_s=1)
+    receiver.close()
+    gc.collect()
+    assert _transport_threads() == before
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Point-to-point KV transfer (`gloo`, and `nccl` for CUDA tensors) over a two-rank process group made
-per (sender, receiver) pair, without `init_process_group`, so replicas can come and go.
+"""The `gloo` and `nccl` KV transports: point to point (NCCL for CUDA tensors) over a two-rank process
+group made per (sender, receiver) pair, without `init_process_group`, so replicas can come and go.
 
 Point-to-point protocol over the sender's TCPStore (every message is JSON pushed to the queue `kvt/inbox`,
 served in order by one sender thread):
@@ -29,10 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, KVTransferMeta, KVTransferTimeout
+from workers.kv_transfer.base import KVReceiver, KVSender, KVTransferError, KVTransferTimeout
+from workers.kv_transfer.layout import KVTransferMeta
 
 logger = logging.getLogger(__name__)
 INBOX = "kvt/inbox"
+BYE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -114,20 +116,23 @@ class P2PSender(KVSender):
         with self._lock:
             self._payloads.pop(request_id, None)
 
-    def pending(self) -> list[str]:
-        """Requests offered and not yet sent or released."""
-        with self._lock:
-            return list(self._payloads)
-
     def close(self) -> None:
-        if self._thread is not None:
-            self._store.queue_push(INBOX, json.dumps({"op": "stop"}))
-            self._thread.join(timeout=self.timeout_s)
-            self._thread = None
+        """Stop the serving thread, then end every pair group and drop the store and the payloads on offer."""
         with self._lock:
+            thread, store = self._thread, self._store
+        if thread is not None:
+            store.queue_push(INBOX, json.dumps({"op": "stop"}))
+            limit_s = self.timeout_s + 1.0  # a send or a group rendezvous in progress ends within timeout_s
+            thread.join(timeout=limit_s)
+            if thread.is_alive():
+                logger.warning("KV sender %s: its serving thread is still busy after %g s; closing anyway",
+                               self.sender_id, limit_s)
+        with self._lock:
+            self._thread, self._store = None, None
             self._payloads.clear()
-        self._groups.clear()
-        self._store = None
+        groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            _end_group(group)
 
     def _start(self) -> None:
         """Host the rendezvous store and start the serving thread, once."""
@@ -167,7 +172,7 @@ class P2PSender(KVSender):
             pair_store = dist.PrefixStore(f"kvt/pair/{pair}/", store)
             self._groups[pair] = _pair_group(self.transport, pair_store, 0, self._host, self.timeout_s)
         elif op == "bye":
-            self._groups.pop(pair, None)
+            self._drop_group(pair)
         elif op == "want":
             self._send(store, pair, msg["tag"], msg["req"])
 
@@ -190,10 +195,15 @@ class P2PSender(KVSender):
             _wait_done(group.send([payload], 1, tag), payload)
         except Exception:
             self._stats.error()
-            self._groups.pop(pair, None)
+            self._drop_group(pair)
             raise
         self._stats.record(payload.nbytes, time.perf_counter() - start)
         self.release(request_id)
+
+    def _drop_group(self, pair: str) -> None:
+        group = self._groups.pop(pair, None)
+        if group is not None:
+            _end_group(group)
 
 
 @dataclass
@@ -223,6 +233,7 @@ class P2PReceiver(KVReceiver):
         self._pairs: dict[str, _Pair] = {}
         self._connect_lock = threading.Lock()
         self._sender_locks: dict[str, threading.Lock] = {}
+        self._byes: list[threading.Thread] = []
 
     @property
     def device(self) -> torch.device:
@@ -245,9 +256,15 @@ class P2PReceiver(KVReceiver):
         return buffer
 
     def close(self) -> None:
+        """Say bye to every sender and end each pair group, then wait for the byes of failed pairs."""
         with self._connect_lock:
-            for sender_id in list(self._pairs):
-                _say_bye(self._pairs.pop(sender_id))
+            pairs, self._pairs = list(self._pairs.values()), {}
+            byes, self._byes = self._byes, []
+            self._sender_locks.clear()
+        for pair in pairs:
+            _say_bye(pair)
+        for bye in byes:
+            bye.join(timeout=2 * BYE_TIMEOUT_S)
 
     def _fetch(self, ticket: P2PTicket, out: torch.Tensor | None, timeout_s: float) -> torch.Tensor:
         """Connect if needed, then ask and receive; any failure but a refusal drops the pair."""
@@ -299,7 +316,10 @@ class P2PReceiver(KVReceiver):
         with self._connect_lock:
             if self._pairs.get(sender_id) is pair:
                 del self._pairs[sender_id]
-                threading.Thread(target=_say_bye, args=(pair,), name="kv-bye", daemon=True).start()
+                self._byes = [bye for bye in self._byes if bye.is_alive()]
+                bye = threading.Thread(target=_say_bye, args=(pair,), name="kv-bye", daemon=True)
+                self._byes.append(bye)
+                bye.start()
 
     def _ask_and_recv(self, ticket: P2PTicket, pair: _Pair, out: torch.Tensor | None,
                       deadline: float) -> tuple[dict[str, Any], torch.Tensor]:
@@ -323,12 +343,24 @@ class P2PReceiver(KVReceiver):
 
 
 def _say_bye(pair: _Pair) -> None:
-    """Tell the sender to drop its side of the pair (best effort)."""
+    """Tell the sender to drop its side of the pair (best effort), then end this side once no NCCL fetch
+    is using it."""
     try:
-        pair.store.set_timeout(_timedelta(2.0))
+        pair.store.set_timeout(_timedelta(BYE_TIMEOUT_S))
         pair.store.queue_push(INBOX, json.dumps({"op": "bye", "pair": pair.pair_id}))
     except Exception:
         logger.debug("KV sender of pair %s is gone", pair.pair_id)
+    with pair.order_lock:
+        _end_group(pair.group)
+
+
+def _end_group(group: Any) -> None:
+    """Shut one side of a pair group down now: NCCL frees its communicator only on shutdown (dropping the
+    last reference leaks it), gloo's threads end when the group is released."""
+    try:
+        group.shutdown()
+    except Exception:
+        logger.debug("shutting down a KV pair group failed", exc_info=True)
 
 
 def _client(ticket: P2PTicket, timeout_s: float) -> Any:
