@@ -1,4 +1,5 @@
-"""`kvrelay` command line. Engine options are generated from `EngineConfig`, with vLLM's spellings."""
+"""`kvrelay` command line. Its engine and serving flags are generated from `EngineConfig` and `AppConfig`
+(vLLM's spellings): each flag's type, default and help come from its field."""
 
 from __future__ import annotations
 
@@ -8,22 +9,40 @@ import signal
 import sys
 import threading
 import time
+import types
 import typing
+from typing import Any
 
 from workers.config import EngineConfig
 
 
+def flag_options(name: str, annotation: Any) -> dict[str, Any]:
+    """argparse keywords for an option of this type: a bool is `--x/--no-x`; int, float or str (alone or
+    with None) is that type; a union with str (`int | str`) or a dict stays a string, which the config
+    parses (a size such as '2GiB', JSON)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = tuple(k for k in (typing.get_args(annotation) if union else (annotation,)) if k is not type(None))
+    if kinds == (bool,):
+        return {"action": argparse.BooleanOptionalAction}
+    if len(kinds) == 1 and kinds[0] in (int, float, str):
+        return {"type": kinds[0]}
+    if str in kinds or typing.get_origin(annotation) is dict:
+        return {"type": str}
+    raise TypeError(f"option {name!r} has type {annotation}, which has no command-line form; "
+                    "give it a bool, int, float or str type, or teach serving/cli.py's flag_options the new one")
+
+
+def _add_option(parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help_text: str) -> None:
+    parser.add_argument("--" + name.replace("_", "-"), default=default, help=help_text.replace("%", "%%"),
+                        **flag_options(name, annotation))
+
+
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field: its type from the annotation, its default and help from the field."""
+    hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                        "num_threads", "seed"):
-            parser.add_argument(flag, type=int, default=f.default, help=help_text)
-        else:
-            parser.add_argument(flag, default=f.default, help=help_text)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        _add_option(parser, f.name, hints[f.name], default, f.metadata.get("help", ""))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -55,16 +74,8 @@ def add_app_options(parser: argparse.ArgumentParser) -> None:
     from serving.app_config import AppConfig
 
     for name, f in AppConfig.model_fields.items():
-        if name == "engine":
-            continue
-        flag = "--" + name.replace("_", "-")
-        kinds = [t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)]
-        if kinds == [bool]:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.description)
-            continue
-        kind = kinds[0] if kinds and kinds[0] in (int, float) else str
-        default = None if f.default_factory is not None else f.default
-        parser.add_argument(flag, type=kind, default=default, help=f.description)
+        if name != "engine":
+            _add_option(parser, name, f.annotation, f.get_default(call_default_factory=True), f.description or "")
 
 
 def _serve(args: argparse.Namespace) -> int:

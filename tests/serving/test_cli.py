@@ -1,21 +1,87 @@
-"""`kvrelay serve` as a user runs it: its own local Ray cluster, a ready line with the URL, Ctrl-C stops it."""
+"""The `kvrelay` command line: flags generated from the option dataclasses, and `kvrelay serve` as a user
+runs it (its own local Ray cluster, a ready line with the URL, Ctrl-C stops it)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serving_helpers import http
 
+from serving.app_config import AppConfig
+from serving.cli import add_app_options, add_engine_options, engine_config_from_args, flag_options
 from serving.ray_cluster import free_port
+from workers.config import EngineConfig, parse_memory
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
+
+
+def _kinds(annotation: Any) -> set[type]:
+    return set(typing.get_args(annotation) or (annotation,)) - {type(None)}
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    return parser
+
+
+def test_every_engine_option_is_a_flag_with_its_type_and_default():
+    parser = _engine_parser()
+    defaults = vars(parser.parse_args([]))
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        assert defaults[f.name] == f.default, f.name
+        flag, kinds = "--" + f.name.replace("_", "-"), _kinds(hints[f.name])
+        if kinds == {bool}:
+            assert getattr(parser.parse_args([flag]), f.name) is True
+            assert getattr(parser.parse_args(["--no-" + flag[2:]]), f.name) is False
+        elif kinds == {int}:
+            assert getattr(parser.parse_args([flag, "7"]), f.name) == 7
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, "seven"])
+        else:
+            assert str in kinds, f"{f.name}: {hints[f.name]}"  # a string, parsed by EngineConfig when not str
+            assert getattr(parser.parse_args([flag, "7GiB"]), f.name) == "7GiB"
+
+
+def test_engine_flags_build_the_config():
+    args = _engine_parser().parse_args(["--max-num-seqs", "8", "--kv-cache-memory", "512MiB", "--max-model-len",
+                                         "1024", "--no-enable-prefix-caching", "--scheduling-policy", "sjf"])
+    config = engine_config_from_args(args)
+    assert (config.max_num_seqs, config.max_model_len, config.scheduling_policy) == (8, 1024, "sjf")
+    assert parse_memory(config.kv_cache_memory) == 512 << 20 and config.enable_prefix_caching is False
+    with pytest.raises(ValueError, match="memory size"):
+        engine_config_from_args(_engine_parser().parse_args(["--kv-cache-memory", "lots"]))
+
+
+def test_every_app_option_is_a_flag_with_its_default():
+    parser = argparse.ArgumentParser()
+    add_app_options(parser)
+    defaults = vars(parser.parse_args([]))
+    for name, f in AppConfig.model_fields.items():
+        if name != "engine":
+            assert defaults[name] == f.get_default(call_default_factory=True), name
+    args = parser.parse_args(["--max-waiting-requests", "5", "--target-ongoing-requests", "2.5", "--disaggregate",
+                              "--prefill-engine", '{"max_num_seqs": 4}'])
+    assert (args.max_waiting_requests, args.target_ongoing_requests, args.disaggregate) == (5, 2.5, True)
+    assert args.prefill_engine == '{"max_num_seqs": 4}'  # JSON, parsed into AppConfig
+
+
+def test_a_field_type_without_a_flag_form_is_refused():
+    assert flag_options("size", int | str) == {"type": str}
+    with pytest.raises(TypeError, match="sizes.*command-line"):
+        flag_options("sizes", list[int])
 
 
 def test_kvrelay_serve_starts_answers_and_stops_on_ctrl_c():
