@@ -11,9 +11,12 @@ import threading
 import time
 import types
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.config import EngineConfig
+
+if TYPE_CHECKING:
+    from serving.app_config import AppConfig
 
 
 def flag_options(name: str, annotation: Any) -> dict[str, Any]:
@@ -55,7 +58,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     start = time.monotonic()
-    llm = LLM(**dataclasses.asdict(config))
+    llm = LLM(config=config)
     print(f"loaded {llm.engine.model_path} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompts = args.prompt or ["What is continuous batching in LLM serving?"]
@@ -78,13 +81,16 @@ def add_app_options(parser: argparse.ArgumentParser) -> None:
             _add_option(parser, name, f.annotation, f.get_default(call_default_factory=True), f.description or "")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def app_config_from_args(args: argparse.Namespace) -> AppConfig:
+    """The one `AppConfig` of `kvrelay serve`: the engine flags as its `EngineConfig`, the rest by name."""
     from serving.app_config import AppConfig, parse_app_args
 
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    options.update({name: getattr(args, name) for name in AppConfig.model_fields
-                    if name != "engine" and getattr(args, name) is not None})
-    parse_app_args(options)  # fail fast, before Ray starts
+    options = {name: getattr(args, name) for name in AppConfig.model_fields if name != "engine"}
+    return parse_app_args({**options, "engine": engine_config_from_args(args)})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = app_config_from_args(args)  # fails fast, before Ray starts
     from serving.ray_cluster import init_ray, wait_until_healthy
 
     init_ray()
@@ -99,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(options), name="kvrelay", route_prefix="/", blocking=False)
+        serve.run(build_app(config), name="kvrelay", route_prefix="/", blocking=False)
         wait_until_healthy(url)
         print(f"kvrelay is ready: {url}/v1 (OpenAI API), {url}/metrics, {url}/health. Ctrl-C stops it.", flush=True)
         stop.wait()

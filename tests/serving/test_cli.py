@@ -19,7 +19,8 @@ import pytest
 from serving_helpers import http
 
 from serving.app_config import AppConfig
-from serving.cli import add_app_options, add_engine_options, engine_config_from_args, flag_options
+from serving.cli import (add_app_options, add_engine_options, app_config_from_args, engine_config_from_args,
+                         flag_options, main)
 from serving.ray_cluster import free_port
 from workers.config import EngineConfig, parse_memory
 
@@ -76,6 +77,28 @@ def test_every_app_option_is_a_flag_with_its_default():
                               "--prefill-engine", '{"max_num_seqs": 4}'])
     assert (args.max_waiting_requests, args.target_ongoing_requests, args.disaggregate) == (5, 2.5, True)
     assert args.prefill_engine == '{"max_num_seqs": 4}'  # JSON, parsed into AppConfig
+
+
+def test_serve_flags_become_one_app_config_that_builds_the_app():
+    from serving.app import build_app
+
+    parser = _engine_parser()
+    add_app_options(parser)
+    args = parser.parse_args(["--max-num-seqs", "8", "--disaggregate", "--prefill-engine", '{"max_num_seqs": 4}',
+                              "--decode-max-replicas", "3", "--api-key", "k"])
+    config = app_config_from_args(args)
+    assert config.engine.max_num_seqs == 8 and config.api_key == "k"
+    assert config.pool_engine("prefill").max_num_seqs == 4 and config.pool_engine("decode").max_num_seqs == 8
+    build_app(config)
+    with pytest.raises(ValueError, match="max_replicas"):
+        app_config_from_args(parser.parse_args(["--min-replicas", "3", "--max-replicas", "2"]))
+
+
+def test_serve_rejects_bad_options_before_starting_ray(capsys):
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs must be a positive integer" in capsys.readouterr().err
+    assert main(["serve", "--prefill-engine", '{"max_num_seq": 4}', "--disaggregate"]) == 2
+    assert "unknown prefill_engine option(s): max_num_seq" in capsys.readouterr().err
 
 
 def test_a_field_type_without_a_flag_form_is_refused():
