@@ -19,6 +19,18 @@ if TYPE_CHECKING:
     from serving.app_config import AppConfig
 
 
+DEFAULT_PROMPT = "What is continuous batching in LLM serving?"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every option's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
 def flag_options(name: str, annotation: Any) -> dict[str, Any]:
     """argparse keywords for an option of this type: a bool is `--x/--no-x`; int, float or str (alone or
     with None) is that type; a union with str (`int | str`) or a dict stays a string, which the config
@@ -61,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(config=config)
     print(f"loaded {llm.engine.model_path} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    prompts = args.prompt or ["What is continuous batching in LLM serving?"]
+    prompts = args.prompt or [DEFAULT_PROMPT]
     start = time.monotonic()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     elapsed = time.monotonic() - start
@@ -126,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="benchmarks: burst, poisson, random, long-prompt, policies, compare, ... "
                    "(kvrelay bench --help)")
-    gen = sub.add_parser("generate", help="generate offline (no server) for chat prompts")
+    gen = sub.add_parser("generate", help="generate offline (no server) for chat prompts",
+                         formatter_class=HelpFormatter)
     add_engine_options(gen)
-    gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--prompt", action="append",
+                     help=f"a user message; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP on Ray Serve")
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP on Ray Serve", formatter_class=HelpFormatter)
     add_engine_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")

@@ -101,6 +101,27 @@ def test_serve_rejects_bad_options_before_starting_ray(capsys):
     assert "unknown prefill_engine option(s): max_num_seq" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_shows_every_default(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")  # one block per option, help beside or below its flags
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    blocks = {"-" + b.split()[0].rstrip(","): " ".join(b.split()) for b in text.split("\n  -")[1:]}
+    del blocks["-h"]
+    flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineConfig)}
+    if command == "serve":
+        flags |= {f"--{name.replace('_', '-')}" for name in AppConfig.model_fields if name != "engine"}
+    assert flags <= set(blocks)
+    for block in blocks.values():
+        assert "default" in block, block
+    if command == "serve":
+        assert blocks["--max-waiting-requests"].endswith("(default: 1024)")
+        assert blocks["--max-ongoing-requests"].endswith("(default: 1024)")
+        assert blocks["--max-request-body-bytes"].endswith(f"(default: {8 << 20})")
+
+
 def test_a_field_type_without_a_flag_form_is_refused():
     assert flag_options("size", int | str) == {"type": str}
     with pytest.raises(TypeError, match="sizes.*command-line"):
