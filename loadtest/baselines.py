@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from loadtest.results import RunResult, loadavg
+from loadtest.results import RunResult
 from loadtest.workloads import BenchRequest
 
 
@@ -64,7 +64,7 @@ def hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int, pro
     from tqdm import tqdm
 
     pad_id, outputs, generated = pad_token_id(model), [], 0
-    load0, t0 = loadavg(), time.perf_counter()
+    t0 = time.perf_counter()
     starts = range(0, len(requests), batch_size)
     desc = "hf-naive" if batch_size == 1 else f"hf-static-{batch_size}"
     for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
@@ -75,7 +75,7 @@ def hf_static(model: Any, requests: Sequence[BenchRequest], batch_size: int, pro
     return RunResult(
         system=f"hf-static-{batch_size}", num_requests=len(requests), wall_s=wall,
         useful_tokens=sum(len(o) for o in outputs), generated_tokens=generated,
-        loadavg_start=load0, loadavg_end=loadavg(), extra={"batch_size": batch_size},
+        extra={"batch_size": batch_size},
         token_ids=outputs,
     )
 

@@ -6,7 +6,7 @@ our engine offline, the Hugging Face baselines, or all of them side by side in o
     kvrelay bench burst --baseline hf-static                   # HF generate, batches of 8/16/32/64
     kvrelay bench burst --systems hf-naive,hf-static,engine,server --caps 16,64,256 --plot
     kvrelay bench poisson --systems engine,server --qps 1,4,16 --plot
-    kvrelay bench policies --qps 2 --plot                      # fcfs / sjf / predicted on poisson
+    kvrelay bench policies --qps 2 --plot                      # scheduling policies on poisson
     kvrelay bench random --url URL --input-len 256 --output-len 128 --request-rate 2 --burstiness 0.5
     kvrelay bench compare results/a.json results/b.json
     kvrelay bench train-predictor                              # the `predicted` policy's length model
@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from loadtest import runners
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.workloads import BURST_CAPS
+from workers.request_queue import SchedulingPolicy
 
 
 def _csv(value: str) -> list[str]:
@@ -117,15 +118,19 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     p.add_argument("--transports", type=_csv, default=["object_store", "gloo"], help="suite: KV transfer table")
     _add_common(p, stream_default=True)
 
-    p = sub.add_parser("policies", help="fcfs / sjf / predicted scheduling on poisson, one fresh server each")
+    p = sub.add_parser("policies", help=f"{' / '.join(runners.POLICIES)} scheduling on poisson, one fresh server each")
     p.add_argument("--qps", type=float, default=2.0, help="request rate (the highest one the server sustains)")
-    p.add_argument("--policies", type=_csv, default=list(runners.POLICIES), help="comma list of scheduling policies")
+    p.add_argument("--policies", type=_csv, default=list(runners.POLICIES),
+                   help=f"comma list of scheduling policies from {', '.join(SchedulingPolicy.names())} "
+                        f"(default: {','.join(runners.POLICIES)})")
     p.add_argument("--length-predictor", default=None,
-                   help="predictor JSON for `predicted` (default: the trained one in loadtest/data)")
+                   help=f"predictor JSON for `{SchedulingPolicy.PREDICTED.value}` "
+                        "(default: the trained one in loadtest/data)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the policies (interleaved)")
     _add_common(p, stream_default=True)
 
-    p = sub.add_parser("train-predictor", help="fit the `predicted` policy's output-length model")
+    p = sub.add_parser("train-predictor",
+                       help=f"fit the `{SchedulingPolicy.PREDICTED.value}` policy's output-length model")
     p.add_argument("--num-prompts", type=int, default=400, help="poisson-style prompts (the first 100 are held out)")
     p.add_argument("--lengths", type=Path, default=None, help="reuse lengths collected before (JSON) instead of generating")
     p.add_argument("--output", type=Path, default=None, help="predictor JSON (default: loadtest/data/length_predictor.json)")

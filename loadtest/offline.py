@@ -5,15 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from loadtest.results import RunResult, loadavg
+from loadtest.results import RunResult
 from loadtest.workloads import BenchRequest
-
-
-def load_engine(model_path: str, dtype: str = "bfloat16") -> Any:
-    """Construct ``serving.LLM`` (imported lazily: the engine may be absent)."""
-    from serving import LLM
-
-    return LLM(model=model_path, dtype=dtype)
 
 
 def generate_token_ids(llm: Any, requests: Sequence[BenchRequest], progress: bool = False) -> list[list[int]]:
@@ -35,11 +28,11 @@ def generate_token_ids(llm: Any, requests: Sequence[BenchRequest], progress: boo
 def run_engine(llm: Any, requests: Sequence[BenchRequest], progress: bool = False) -> RunResult:
     """Time one offline ``generate`` over all requests (model load excluded)."""
     generate_token_ids(llm, [BenchRequest(requests[0].prompt_token_ids[:8], 2)])  # untimed warm-up
-    load0, t0 = loadavg(), time.perf_counter()
+    t0 = time.perf_counter()
     token_ids = generate_token_ids(llm, requests, progress)
     wall = time.perf_counter() - t0
     useful = sum(len(ids) for ids in token_ids)
     return RunResult(
         system="engine", num_requests=len(requests), wall_s=wall, useful_tokens=useful,
-        generated_tokens=useful, loadavg_start=load0, loadavg_end=loadavg(), token_ids=token_ids,
+        generated_tokens=useful, token_ids=token_ids,
     )

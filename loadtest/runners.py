@@ -16,11 +16,13 @@ from typing import Any, Callable, Sequence
 
 from loadtest import report, workloads
 from loadtest.workloads import BURST_CAPS, BenchRequest
+from workers.request_queue import SchedulingPolicy
 
 
 LOCAL_SYSTEMS = ("hf-naive", "hf-static", "engine", "server")
 TIMED_SYSTEMS = ("engine", "server")  # systems with per-token timings (poisson, random, policies)
-POLICIES = ("fcfs", "sjf", "predicted")
+# `priority` sits out by default: the poisson workload gives every request the same priority, so it repeats fcfs.
+POLICIES = tuple(p.value for p in SchedulingPolicy if p is not SchedulingPolicy.PRIORITY)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -317,13 +319,13 @@ def run_policies(args: argparse.Namespace) -> int:
     from loadtest.predictor import DEFAULT_PREDICTOR
     from loadtest.workloads import poisson_requests
 
-    unknown = [p for p in args.policies if p not in ("fcfs", "priority", "sjf", "predicted")]
+    unknown = [p for p in args.policies if p not in SchedulingPolicy.names()]
     if unknown:
-        raise ValueError(f"unknown policies: {', '.join(unknown)}")
+        raise ValueError(f"unknown policies: {', '.join(unknown)}; choose from {', '.join(SchedulingPolicy.names())}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     predictor = Path(args.length_predictor or DEFAULT_PREDICTOR).resolve()
-    if "predicted" in args.policies and not predictor.is_file():
+    if SchedulingPolicy.PREDICTED.value in args.policies and not predictor.is_file():
         raise ValueError(f"no length predictor at {predictor}; run `kvrelay bench train-predictor` first")
     requests = poisson_requests(_load_tokenizer(args), args.qps)[: args.num_requests or None]
     params = {"qps": args.qps, "policies": args.policies, "repeats": args.repeats, "length_predictor": str(predictor),
@@ -335,7 +337,7 @@ def run_policies(args: argparse.Namespace) -> int:
             for policy in args.policies:
                 print(f"policies QPS {args.qps:g}: {policy} (round {round_ + 1})", file=sys.stderr)
                 options = {**_engine_options(args), "scheduling_policy": policy}
-                if policy == "predicted":
+                if policy == SchedulingPolicy.PREDICTED.value:
                     options["length_predictor"] = str(predictor)
 
                 def one(p: str = policy, o: dict = options, r: int = round_) -> list[dict[str, Any]]:

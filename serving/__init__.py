@@ -1,4 +1,5 @@
-"""The user-facing side of kvrelay: the offline `LLM` API (and, later, the HTTP server)."""
+"""The user-facing side of kvrelay: the offline `LLM` API, the OpenAI-compatible HTTP server on Ray Serve
+(serving/app.py) and the `kvrelay` command line (serving/cli.py)."""
 
 from serving.llm import LLM
 from workers.outputs import CompletionOutput, RequestOutput

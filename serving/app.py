@@ -228,10 +228,11 @@ class OpenAIIngress:
         return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in items]
 
 
-def build_app(args: dict[str, Any] | None = None):
+def build_app(args: dict[str, Any] | AppConfig | None = None):
     """The Serve application for `serve run serving.app:build_app model=... max_num_seqs=64 ...`:
-    engine options by their `EngineConfig` names, serving options by their `AppConfig` names."""
-    config = parse_app_args(args or {})
+    engine options by their `EngineConfig` names, serving options by their `AppConfig` names; or for an
+    `AppConfig` already parsed (`kvrelay serve`)."""
+    config = args if isinstance(args, AppConfig) else parse_app_args(args or {})
     from workers.deployment import worker_deployment
 
     if not config.disaggregate:

@@ -1,4 +1,5 @@
-"""`kvrelay` command line. Engine options are generated from `EngineConfig`, with vLLM's spellings."""
+"""`kvrelay` command line. Its engine and serving flags are generated from `EngineConfig` and `AppConfig`
+(vLLM's spellings): each flag's type, default and help come from its field."""
 
 from __future__ import annotations
 
@@ -8,22 +9,55 @@ import signal
 import sys
 import threading
 import time
+import types
 import typing
+from typing import TYPE_CHECKING, Any
 
 from workers.config import EngineConfig
 
+if TYPE_CHECKING:
+    from serving.app_config import AppConfig
+
+
+DEFAULT_PROMPT = "What is continuous batching in LLM serving?"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows every option's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "").lower():
+            return action.help
+        return super()._get_help_string(action)
+
+
+def flag_options(name: str, annotation: Any) -> dict[str, Any]:
+    """argparse keywords for an option of this type: a bool is `--x/--no-x`; int, float or str (alone or
+    with None) is that type; a union with str (`int | str`) or a dict stays a string, which the config
+    parses (a size such as '2GiB', JSON)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = tuple(k for k in (typing.get_args(annotation) if union else (annotation,)) if k is not type(None))
+    if kinds == (bool,):
+        return {"action": argparse.BooleanOptionalAction}
+    if len(kinds) == 1 and kinds[0] in (int, float, str):
+        return {"type": kinds[0]}
+    if str in kinds or typing.get_origin(annotation) is dict:
+        return {"type": str}
+    raise TypeError(f"option {name!r} has type {annotation}, which has no command-line form; "
+                    "give it a bool, int, float or str type, or teach serving/cli.py's flag_options the new one")
+
+
+def _add_option(parser: argparse.ArgumentParser, name: str, annotation: Any, default: Any, help_text: str) -> None:
+    parser.add_argument("--" + name.replace("_", "-"), default=default, help=help_text.replace("%", "%%"),
+                        **flag_options(name, annotation))
+
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field: its type from the annotation, its default and help from the field."""
+    hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                        "num_threads", "seed"):
-            parser.add_argument(flag, type=int, default=f.default, help=help_text)
-        else:
-            parser.add_argument(flag, default=f.default, help=help_text)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        _add_option(parser, f.name, hints[f.name], default, f.metadata.get("help", ""))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -36,10 +70,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     start = time.monotonic()
-    llm = LLM(**dataclasses.asdict(config))
+    llm = LLM(config=config)
     print(f"loaded {llm.engine.model_path} in {time.monotonic() - start:.1f} s", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    prompts = args.prompt or ["What is continuous batching in LLM serving?"]
+    prompts = args.prompt or [DEFAULT_PROMPT]
     start = time.monotonic()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     elapsed = time.monotonic() - start
@@ -55,25 +89,20 @@ def add_app_options(parser: argparse.ArgumentParser) -> None:
     from serving.app_config import AppConfig
 
     for name, f in AppConfig.model_fields.items():
-        if name == "engine":
-            continue
-        flag = "--" + name.replace("_", "-")
-        kinds = [t for t in typing.get_args(f.annotation) or (f.annotation,) if t is not type(None)]
-        if kinds == [bool]:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.description)
-            continue
-        kind = kinds[0] if kinds and kinds[0] in (int, float) else str
-        default = None if f.default_factory is not None else f.default
-        parser.add_argument(flag, type=kind, default=default, help=f.description)
+        if name != "engine":
+            _add_option(parser, name, f.annotation, f.get_default(call_default_factory=True), f.description or "")
+
+
+def app_config_from_args(args: argparse.Namespace) -> AppConfig:
+    """The one `AppConfig` of `kvrelay serve`: the engine flags as its `EngineConfig`, the rest by name."""
+    from serving.app_config import AppConfig, parse_app_args
+
+    options = {name: getattr(args, name) for name in AppConfig.model_fields if name != "engine"}
+    return parse_app_args({**options, "engine": engine_config_from_args(args)})
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from serving.app_config import AppConfig, parse_app_args
-
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    options.update({name: getattr(args, name) for name in AppConfig.model_fields
-                    if name != "engine" and getattr(args, name) is not None})
-    parse_app_args(options)  # fail fast, before Ray starts
+    config = app_config_from_args(args)  # fails fast, before Ray starts
     from serving.ray_cluster import init_ray, wait_until_healthy
 
     init_ray()
@@ -88,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(options), name="kvrelay", route_prefix="/", blocking=False)
+        serve.run(build_app(config), name="kvrelay", route_prefix="/", blocking=False)
         wait_until_healthy(url)
         print(f"kvrelay is ready: {url}/v1 (OpenAI API), {url}/metrics, {url}/health. Ctrl-C stops it.", flush=True)
         stop.wait()
@@ -109,13 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="benchmarks: burst, poisson, random, long-prompt, policies, compare, ... "
                    "(kvrelay bench --help)")
-    gen = sub.add_parser("generate", help="generate offline (no server) for chat prompts")
+    gen = sub.add_parser("generate", help="generate offline (no server) for chat prompts",
+                         formatter_class=HelpFormatter)
     add_engine_options(gen)
-    gen.add_argument("--prompt", action="append", help="a user message; repeat for a batch")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--prompt", action="append",
+                     help=f"a user message; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     gen.set_defaults(func=_generate)
-    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP on Ray Serve")
+    srv = sub.add_parser("serve", help="serve the OpenAI API over HTTP on Ray Serve", formatter_class=HelpFormatter)
     add_engine_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")

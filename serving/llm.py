@@ -19,10 +19,13 @@ Conversation = list[dict[str, str]]
 
 
 class LLM:
-    """`LLM(model=None, **engine_options)`; `model=None` is the default SmolLM2-135M-Instruct."""
+    """`LLM(model=None, **engine_options)`, `model=None` being the default SmolLM2-135M-Instruct, or
+    `LLM(config=EngineConfig(...))` with the options already parsed."""
 
-    def __init__(self, model: str | None = None, **engine_options) -> None:
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **engine_options) -> None:
+        if config is not None and (model is not None or engine_options):
+            raise ValueError("pass either config=EngineConfig(...) or model and engine options, not both")
+        self.engine = Engine(config or EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
     @property

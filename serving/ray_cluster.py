@@ -22,10 +22,10 @@ def prepare_ray_env(local: bool) -> None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | None:
-    """Join `address` (or `RAY_ADDRESS`) if given, else start a private local cluster. Returns the temp
+def init_ray(num_cpus: int | None = None) -> str | None:
+    """Join the cluster at `RAY_ADDRESS` if set, else start a private local cluster. Returns the temp
     dir of a local cluster (None when joining)."""
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = os.environ.get("RAY_ADDRESS") or None
     prepare_ray_env(local=address is None)
     import ray
 
@@ -38,7 +38,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str | N
     return temp_dir
 
 
-def wait_until_healthy(url: str, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+def wait_until_healthy(url: str, timeout_s: float = 600.0) -> None:
     """Poll `url/health` until it answers 200 (Serve's proxy answers 404 until the app is up)."""
     deadline = time.monotonic() + timeout_s
     last: Exception | str = "no answer"
@@ -49,7 +49,7 @@ def wait_until_healthy(url: str, timeout_s: float = 600.0, poll_s: float = 0.5) 
                     return
         except (urllib.error.URLError, OSError) as e:
             last = e
-        time.sleep(poll_s)
+        time.sleep(0.5)
     raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s (last: {last})")
 
 

@@ -36,9 +36,10 @@ class EngineConfig:
     block_size: int = _opt(16, "Tokens per KV cache block.")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory).")
     kv_cache_memory: int | str = _opt("2GiB", "KV cache size as memory, e.g. 2GiB; the block count follows from the model's shape.")
-    scheduling_policy: str = _opt("fcfs", "Waiting-queue order: fcfs, priority, sjf or predicted.")
+    scheduling_policy: str = _opt(SchedulingPolicy.FCFS.value,
+                                  f"Waiting-queue order: {', '.join(SchedulingPolicy.names())}.")
     length_predictor: str | None = _opt(
-        None, "JSON file of a trained output-length predictor for --scheduling-policy predicted "
+        None, f"JSON file of a trained output-length predictor for --scheduling-policy {SchedulingPolicy.PREDICTED.value} "
               "(kvrelay bench train-predictor writes one); default: a running mean of finished lengths.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps; off runs each prompt whole (budget >= max_model_len).")
@@ -57,13 +58,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if parse_memory(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
-        try:
-            SchedulingPolicy(self.scheduling_policy)
-        except ValueError:
-            options = ", ".join(p.value for p in SchedulingPolicy)
-            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; choose one of {options}") from None
+        if self.scheduling_policy not in SchedulingPolicy.names():
+            raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; "
+                             f"choose one of {', '.join(SchedulingPolicy.names())}")
         if self.length_predictor is not None and self.scheduling_policy != SchedulingPolicy.PREDICTED.value:
-            raise ValueError(f"length_predictor is only used by scheduling_policy 'predicted', "
+            raise ValueError(f"length_predictor is only used by scheduling_policy {SchedulingPolicy.PREDICTED.value!r}, "
                              f"not {self.scheduling_policy!r}")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1

@@ -15,10 +15,16 @@ from workers.request import Request
 
 
 class SchedulingPolicy(str, enum.Enum):
+    """The waiting-queue orders; the one list of their names, which options, help and errors read."""
+
     FCFS = "fcfs"
     PRIORITY = "priority"
     SJF = "sjf"
     PREDICTED = "predicted"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [p.value for p in cls]
 
 
 class RequestQueue(ABC):

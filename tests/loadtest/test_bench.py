@@ -154,6 +154,7 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["burst", "--offline", "--num-requests", "0"], "--num-requests"),
     (["poisson", "--offline", "--request-rate", "-1"], "--request-rate"),
     (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
+    (["policies", "--policies", "fcfs,lifo"], "unknown policies: lifo; choose from fcfs, priority, sjf, predicted"),
 ])
 def test_bad_command_lines_fail_clearly(argv: list[str], needle: str, capsys) -> None:
     assert bench.main(argv) == 2

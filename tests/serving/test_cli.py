@@ -1,21 +1,131 @@
-"""`kvrelay serve` as a user runs it: its own local Ray cluster, a ready line with the URL, Ctrl-C stops it."""
+"""The `kvrelay` command line: flags generated from the option dataclasses, and `kvrelay serve` as a user
+runs it (its own local Ray cluster, a ready line with the URL, Ctrl-C stops it)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
 from serving_helpers import http
 
+from serving.app_config import AppConfig
+from serving.cli import (add_app_options, add_engine_options, app_config_from_args, engine_config_from_args,
+                         flag_options, main)
 from serving.ray_cluster import free_port
+from workers.config import EngineConfig, parse_memory
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
+
+
+def _kinds(annotation: Any) -> set[type]:
+    return set(typing.get_args(annotation) or (annotation,)) - {type(None)}
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    return parser
+
+
+def test_every_engine_option_is_a_flag_with_its_type_and_default():
+    parser = _engine_parser()
+    defaults = vars(parser.parse_args([]))
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        assert defaults[f.name] == f.default, f.name
+        flag, kinds = "--" + f.name.replace("_", "-"), _kinds(hints[f.name])
+        if kinds == {bool}:
+            assert getattr(parser.parse_args([flag]), f.name) is True
+            assert getattr(parser.parse_args(["--no-" + flag[2:]]), f.name) is False
+        elif kinds == {int}:
+            assert getattr(parser.parse_args([flag, "7"]), f.name) == 7
+            with pytest.raises(SystemExit):
+                parser.parse_args([flag, "seven"])
+        else:
+            assert str in kinds, f"{f.name}: {hints[f.name]}"  # a string, parsed by EngineConfig when not str
+            assert getattr(parser.parse_args([flag, "7GiB"]), f.name) == "7GiB"
+
+
+def test_engine_flags_build_the_config():
+    args = _engine_parser().parse_args(["--max-num-seqs", "8", "--kv-cache-memory", "512MiB", "--max-model-len",
+                                         "1024", "--no-enable-prefix-caching", "--scheduling-policy", "sjf"])
+    config = engine_config_from_args(args)
+    assert (config.max_num_seqs, config.max_model_len, config.scheduling_policy) == (8, 1024, "sjf")
+    assert parse_memory(config.kv_cache_memory) == 512 << 20 and config.enable_prefix_caching is False
+    with pytest.raises(ValueError, match="memory size"):
+        engine_config_from_args(_engine_parser().parse_args(["--kv-cache-memory", "lots"]))
+
+
+def test_every_app_option_is_a_flag_with_its_default():
+    parser = argparse.ArgumentParser()
+    add_app_options(parser)
+    defaults = vars(parser.parse_args([]))
+    for name, f in AppConfig.model_fields.items():
+        if name != "engine":
+            assert defaults[name] == f.get_default(call_default_factory=True), name
+    args = parser.parse_args(["--max-waiting-requests", "5", "--target-ongoing-requests", "2.5", "--disaggregate",
+                              "--prefill-engine", '{"max_num_seqs": 4}'])
+    assert (args.max_waiting_requests, args.target_ongoing_requests, args.disaggregate) == (5, 2.5, True)
+    assert args.prefill_engine == '{"max_num_seqs": 4}'  # JSON, parsed into AppConfig
+
+
+def test_serve_flags_become_one_app_config_that_builds_the_app():
+    from serving.app import build_app
+
+    parser = _engine_parser()
+    add_app_options(parser)
+    args = parser.parse_args(["--max-num-seqs", "8", "--disaggregate", "--prefill-engine", '{"max_num_seqs": 4}',
+                              "--decode-max-replicas", "3", "--api-key", "k"])
+    config = app_config_from_args(args)
+    assert config.engine.max_num_seqs == 8 and config.api_key == "k"
+    assert config.pool_engine("prefill").max_num_seqs == 4 and config.pool_engine("decode").max_num_seqs == 8
+    build_app(config)
+    with pytest.raises(ValueError, match="max_replicas"):
+        app_config_from_args(parser.parse_args(["--min-replicas", "3", "--max-replicas", "2"]))
+
+
+def test_serve_rejects_bad_options_before_starting_ray(capsys):
+    assert main(["serve", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs must be a positive integer" in capsys.readouterr().err
+    assert main(["serve", "--prefill-engine", '{"max_num_seq": 4}', "--disaggregate"]) == 2
+    assert "unknown prefill_engine option(s): max_num_seq" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_shows_every_default(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "200")  # one block per option, help beside or below its flags
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out.split("options:", 1)[1]
+    blocks = {"-" + b.split()[0].rstrip(","): " ".join(b.split()) for b in text.split("\n  -")[1:]}
+    del blocks["-h"]
+    flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(EngineConfig)}
+    if command == "serve":
+        flags |= {f"--{name.replace('_', '-')}" for name in AppConfig.model_fields if name != "engine"}
+    assert flags <= set(blocks)
+    for block in blocks.values():
+        assert "default" in block, block
+    if command == "serve":
+        assert blocks["--max-waiting-requests"].endswith("(default: 1024)")
+        assert blocks["--max-ongoing-requests"].endswith("(default: 1024)")
+        assert blocks["--max-request-body-bytes"].endswith(f"(default: {8 << 20})")
+
+
+def test_a_field_type_without_a_flag_form_is_refused():
+    assert flag_options("size", int | str) == {"type": str}
+    with pytest.raises(TypeError, match="sizes.*command-line"):
+        flag_options("sizes", list[int])
 
 
 def test_kvrelay_serve_starts_answers_and_stops_on_ctrl_c():

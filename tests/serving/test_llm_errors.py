@@ -104,3 +104,11 @@ def test_kv_cache_smaller_than_max_model_len(tiny_model_dir):
 def test_chunked_prefill_off_needs_budget(tiny_model_dir):
     with pytest.raises(ValueError, match="chunked prefill off"):
         LLM(tiny_model_dir, max_model_len=1024, enable_chunked_prefill=False, max_num_batched_tokens=256)
+
+
+def test_an_engine_config_or_engine_options_not_both(tiny_model_dir):
+    config = EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+    (out,) = LLM(config=config).generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="not both"):
+        LLM(tiny_model_dir, config=config)
