@@ -10,11 +10,11 @@ import pytest
 
 from workers.kv_cache_manager import KVCacheManager
 from workers.request import Request, RequestStatus
-from workers.request_queue import make_request_queue
+from workers.request_queue import SchedulingPolicy, make_request_queue
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 
-POLICIES = ["fcfs", "priority", "sjf", "predicted"]
+POLICIES = SchedulingPolicy.names()
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int, arrival: float, priority: int = 0) -> Request:
