@@ -11,6 +11,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in Triton's interpreter on the CPU
 CORPUS = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "corpus.txt"
 
 

@@ -1,0 +1,173 @@
+"""Paged attention in Triton: one kernel for decodes and prefill chunks alike, plus the K/V store.
+
+The attention grid is fixed by the batch's token and sequence counts, not by its contents: program `(i, h)`
+finds its sequence inside the kernel (a binary search over the query start offsets), so the same launch
+serves any mix of decodes and chunks and can be captured in a CUDA graph. Each program takes a tile of up to
+`BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h` (grouped-query heads are
+folded into the tile's rows, so each key is loaded once per group), walks the sequence's keys through its
+block table `BLOCK_N` positions at a time with an online softmax in float32, and stops at the tile's last
+causal position. The store kernel writes each new token's K/V into its slot and skips negative slots
+(padding rows of a captured graph).
+
+Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels run in Triton's interpreter, whose bfloat16 `tl.dot`
+is wrong, so there (only) the dot products are computed in float32."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence whose query tiles contain `tile`: sequence `s` owns tiles from
+    `query_start_loc[s] // BLOCK_Q + s` on (a bound that leaves each sequence room for its tiles)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, num_seqs, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, block_size,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_begin
+    q_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within the sequence
+    if q_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens + seq)
+    context = seq_len - q_len  # tokens cached before this step
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P)
+    q_idx = q_start + rows // GROUP_P
+    head_in_group = rows % GROUP_P
+    row_ok = (q_idx < q_len) & (head_in_group < GROUP)
+    head = kv_head * GROUP + head_in_group
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dims < HEAD_DIM
+    q_offs = (q_begin + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = context + q_idx  # absolute position of each row's query
+
+    m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
+    last = tl.minimum(seq_len, context + q_start + BLOCK_Q)  # keys past the tile's last query are masked
+    for start in range(0, last, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < last
+        block = tl.load(block_tables + seq * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+        slot = pos % block_size
+        kv_ok = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
+                    + dims[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                    + dims[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_offs = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, block_size,
+                     stride_kb, stride_ks, stride_vb, stride_vs, ROW: tl.constexpr, ROW_P: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, ROW_P)
+    ok = cols < ROW
+    block, offset = slot // block_size, slot % block_size
+    k = tl.load(key + t * stride_kt + cols, mask=ok)
+    v = tl.load(value + t * stride_vt + cols, mask=ok)
+    tl.store(k_cache + block * stride_kb + offset * stride_ks + cols, k, mask=ok)
+    tl.store(v_cache + block * stride_vb + offset * stride_vs + cols, v, mask=ok)
+
+
+def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
+    """Programs for a batch of `num_tokens` query tokens in `num_seqs` sequences: enough tiles for any
+    split of the tokens between the sequences (each sequence may leave one tile partly empty)."""
+    return (num_tokens // block_q + num_seqs, num_kv_heads)
+
+
+def tile_shape(group: int, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, GROUP_P, HEAD_DIM_P): at least 16 rows per tile (`tl.dot`'s minimum)."""
+    group_p = triton.next_power_of_2(group)
+    return max(1, 16 // group_p), group_p, max(16, triton.next_power_of_2(head_dim))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, block_n: int = 32) -> torch.Tensor:
+    """Causal attention of `query` ([tokens, heads, head_dim], sequences contiguous and in order) over the
+    paged caches ([blocks, block_size, kv_heads, head_dim]); `seq_lens` count cached plus new tokens,
+    `query_start_loc` ([seqs + 1]) delimits each sequence's query tokens. Writes and returns `out`."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if k_cache.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("paged_attention needs the head dimension contiguous in query, caches and out")
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    block_q, group_p, head_dim_p = tile_shape(group, head_dim)
+    grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)
+    upcast = interpreting() or query.dtype == torch.float32  # float32 dots in full precision, not TF32
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_size,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q, BLOCK_N=block_n,
+        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+    )
+    return out
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write `key`/`value` ([tokens, kv_heads, head_dim]) into their flat slots; negative slots are skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    for t in (key, value, k_cache, v_cache):
+        if t.stride(-1) != 1 or t.stride(-2) != head_dim:
+            raise ValueError("store_kv needs each token's [kv_heads, head_dim] contiguous")
+    row = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), k_cache.shape[1],
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        ROW=row, ROW_P=triton.next_power_of_2(row))
