@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled_kernels import COMPILED, needs_compiled_kernels
-from kernels import available_backends, get_attention_backend
+from kernels import CommonAttentionMetadata, available_backends, get_attention_backend
 
 # (new tokens this step, context length including them) per request: decodes and chunks mixed,
 # a whole prompt (query == context), a chunk continuing a prompt, lengths off block boundaries.
@@ -27,6 +27,16 @@ def dense_reference(q, k, v, q_len, ctx):
 
 
 BACKENDS = ["torch", pytest.param("cpp", marks=needs_compiled_kernels)]
+
+
+def common_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], slots: list[int],
+                    block_size: int, heads: int, kv_heads: int) -> CommonAttentionMetadata:
+    """The step as the model runner would describe it; block tables padded with 0."""
+    width = max(map(len, block_tables))
+    q = torch.tensor(query_lens)
+    return CommonAttentionMetadata(q, torch.cat([torch.zeros(1, dtype=torch.long), q.cumsum(0)]),
+                                   torch.tensor(context_lens), torch.tensor([t + [0] * (width - len(t)) for t in block_tables]),
+                                   torch.tensor(slots), block_size, heads, kv_heads)
 
 
 def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0, backend="torch"):
@@ -47,10 +57,8 @@ def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=4
         tables.append(blocks)
         keys.append(k)
         values.append(v)
-    width = max(map(len, tables))
-    meta = backend.build_metadata(
-        torch.tensor([q for q, _ in batch]), torch.tensor([c for _, c in batch]),
-        torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(slots), block_size, heads, kv_heads)
+    meta = backend.build_metadata(common_metadata([q for q, _ in batch], [c for _, c in batch], tables, slots,
+                                                  block_size, heads, kv_heads))
     backend.write_kv(k_cache, v_cache, torch.cat([k[c - q:] for k, (q, c) in zip(keys, batch)]),
                      torch.cat([v[c - q:] for v, (q, c) in zip(values, batch)]), meta)
     query = torch.randn(sum(q for q, _ in batch), heads, dim, generator=gen).to(dtype)
@@ -88,7 +96,7 @@ def test_write_kv_fills_slots():
     backend = get_attention_backend()
     cache_k = torch.zeros(4, 2, 1, 3)
     cache_v = torch.zeros(4, 2, 1, 3)
-    meta = backend.build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[3]]), torch.tensor([6, 7]), 2, 1, 1)
+    meta = backend.build_metadata(common_metadata([2], [2], [[3]], [6, 7], 2, 1, 1))
     key = torch.arange(6.0).view(2, 1, 3)
     backend.write_kv(cache_k, cache_v, key, -key, meta)
     assert torch.equal(cache_k[3], key) and torch.equal(cache_v[3], -key)
@@ -131,12 +139,12 @@ def test_compiled_write_kv_matches_torch_and_checks_slots():
     cpp, ref = get_attention_backend("cpp"), get_attention_backend("torch")
     qkv = torch.randn(50, 4 * 16 + 2 * 2 * 16).bfloat16()
     key, value = qkv[:, 64:96].view(50, 2, 16), qkv[:, 96:].view(50, 2, 16)  # strided views, as in the model
-    slots = torch.randperm(40 * 16)[:50]
-    meta = ref.build_metadata(torch.tensor([50]), torch.tensor([50]), torch.zeros(1, 4, dtype=torch.long), slots, 16, 4, 2)
+    common = common_metadata([50], [50], [[0] * 4], torch.randperm(40 * 16)[:50].tolist(), 16, 4, 2)
+    cpp_meta, ref_meta = cpp.build_metadata(common), ref.build_metadata(common)
     caches = [[torch.zeros(40, 16, 2, 16, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
-    cpp.write_kv(*caches[0], key, value, meta)
-    ref.write_kv(*caches[1], key, value, meta)
+    cpp.write_kv(*caches[0], key, value, cpp_meta)
+    ref.write_kv(*caches[1], key, value, ref_meta)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    meta.slot_mapping = torch.tensor([0] * 49 + [40 * 16])
+    cpp_meta.slot_mapping = torch.tensor([0] * 49 + [40 * 16])
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpp.write_kv(*caches[0], key, value, meta)
+        cpp.write_kv(*caches[0], key, value, cpp_meta)
