@@ -1,9 +1,10 @@
 """The attention-backend interface and its registry.
 
-A backend builds per-step metadata once (from query lengths, context lengths and block tables) and then
-serves every layer: `write_kv` stores the step's new keys/values into their slots, `forward` attends each
-new token to its own request's cached context. KV caches are `[num_blocks, block_size, num_kv_heads,
-head_dim]` per layer. GPU backends register here and import their libraries lazily."""
+The model runner describes each step once, backend-independently (`CommonAttentionMetadata`); the chosen
+backend's `build_metadata` turns that into its own metadata type, which then serves every layer:
+`write_kv` stores the step's new keys/values into their slots, `forward` attends each new token to its
+own request's cached context. KV caches are `[num_blocks, block_size, num_kv_heads, head_dim]` per layer.
+Backends are registered by import path, so a GPU backend's libraries load only when it is chosen."""
 
 from __future__ import annotations
 
@@ -12,38 +13,50 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
 
 @dataclass(slots=True)
+class CommonAttentionMetadata:
+    """One step as the model runner lays it out, the same for every backend. Each request's new tokens
+    are contiguous in the flat batch and in request order. Tensors are on the CPU."""
+
+    query_lens: torch.Tensor  # [num_reqs] new tokens this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1] offset of each request's first new token; last = num_tokens
+    context_lens: torch.Tensor  # [num_reqs] cached tokens plus this step's
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] block ids, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot of each new token (block_id * block_size + offset)
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+
+
 class AttentionMetadata:
-    """Step-wide inputs shared by all layers; `extra` holds what the backend precomputed."""
+    """Base of every backend's per-step metadata. Only the backend that built it reads it; the model
+    passes it through to each layer."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot index (block_id * block_size + offset)
-    query_lens: torch.Tensor  # [num_reqs]
-    context_lens: torch.Tensor  # [num_reqs], including this step's tokens
-    block_tables: torch.Tensor  # [num_reqs, max_blocks], padded with 0
-    extra: dict
+    __slots__ = ()
 
 
-class AttentionBackend(ABC):
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionBackend(ABC, Generic[M]):
     name: str = ""
 
     @abstractmethod
-    def build_metadata(self, query_lens: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                       slot_mapping: torch.Tensor, block_size: int, num_heads: int, num_kv_heads: int) -> AttentionMetadata:
-        """Precompute what `forward` needs for this step. Requests' tokens are contiguous and in order."""
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        """Store `key`/`value` ([num_tokens, num_kv_heads, head_dim]) into their slots."""
-        nkv, d = key.shape[-2:]
-        k_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, nkv, d).index_copy_(0, meta.slot_mapping, value)
+    def build_metadata(self, common: CommonAttentionMetadata) -> M:
+        """Precompute, once per step, what `write_kv` and `forward` need in every layer."""
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 meta: M) -> None:
+        """Store `key`/`value` ([num_tokens, num_kv_heads, head_dim]) into their slots."""
+
+    @abstractmethod
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: M,
                 scale: float) -> torch.Tensor:
         """Causal attention of `query` ([num_tokens, num_heads, head_dim]) over each request's context
         (cached tokens plus this step's); returns the same shape."""
@@ -53,11 +66,6 @@ _REGISTRY: dict[str, str] = {
     "torch": "kernels.cpu_attention:TorchPagedAttention",
     "cpp": "kernels.cpp_attention:CppPagedAttention",
 }
-
-
-def register_backend(name: str, target: str) -> None:
-    """Register a backend by import path (`module:Class`), so its dependencies load only when chosen."""
-    _REGISTRY[name] = target
 
 
 def available_backends() -> list[str]:

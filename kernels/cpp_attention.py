@@ -1,20 +1,33 @@
 """The CPU backend with compiled kernels that read K/V straight from the paged cache through the block
 table (no gather copy). Single-token queries use a decode kernel, one task per request. In bfloat16 on
-CPUs with AVX512-BF16, decodes and chunks both use `csrc_attention_bf16.cpp`; other dtypes keep the
-torch path (masked SDPA) for chunks.
+CPUs with AVX512-BF16, decodes and chunks both use `csrc_attention_bf16.cpp`; other dtypes run chunks
+through the torch path's `chunk_attention` (masked SDPA) on the same decode/chunk split.
 
 The kernel is built with the other compiled CPU kernels (`kernels/cpu_extension.py`);
 `get_attention_backend("auto")` falls back to the torch backend when the build is unavailable."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.cpu_attention import TorchPagedAttention
+from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from kernels.cpu_attention import ChunkGroup, DecodeGroup, chunk_attention, split_step
 from kernels.cpu_extension import load_extension
 
 
-class CppPagedAttention(TorchPagedAttention):
+@dataclass(slots=True)
+class CppAttentionMetadata(AttentionMetadata):
+    """The compiled backend's step: where new K/V rows go, and the decode and chunk groups the kernels
+    take (the chunk group also feeds the torch fallback, which builds its layout there on first use)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]
+    decodes: DecodeGroup | None
+    chunks: ChunkGroup | None
+
+
+class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
     name = "cpp"
 
     def __init__(self) -> None:
@@ -24,17 +37,24 @@ class CppPagedAttention(TorchPagedAttention):
     def _use_bf16(self, query: torch.Tensor) -> bool:
         return self._bf16 and query.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0
 
-    def write_kv(self, k_cache, v_cache, key, value, meta) -> None:
+    def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
+        return CppAttentionMetadata(common.slot_mapping, *split_step(common))
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 meta: CppAttentionMetadata) -> None:
         self._ext.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, x: dict, scale: float) -> torch.Tensor:
-        if self._use_bf16(q):
-            return self._ext.paged_decode_attention_bf16(q, k_cache, v_cache, x["dec_tables"], x["dec_context_lens"], scale)
-        return self._ext.paged_decode_attention(q, k_cache, v_cache, x["dec_tables"], x["dec_context_lens"], scale)
-
-    def chunks(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, x: dict, scale: float,
-               out: torch.Tensor) -> None:
-        if not self._use_bf16(query):
-            return super().chunks(query, k_cache, v_cache, x, scale, out)
-        self._ext.paged_prefill_attention_bf16_(out, query, k_cache, v_cache, x["chunk_tables"], x["chunk_starts"],
-                                                x["chunk_query_lens"], x["chunk_context_lens"], scale)
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CppAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        bf16 = self._use_bf16(query)
+        if (dec := meta.decodes) is not None:
+            kernel = self._ext.paged_decode_attention_bf16 if bf16 else self._ext.paged_decode_attention
+            out[dec.tokens] = kernel(query[dec.tokens], k_cache, v_cache, dec.block_tables, dec.context_lens, scale)
+        if (ch := meta.chunks) is not None:
+            if bf16:
+                self._ext.paged_prefill_attention_bf16_(out, query, k_cache, v_cache, ch.block_tables, ch.starts,
+                                                        ch.query_lens, ch.context_lens, scale)
+            else:
+                chunk_attention(query, k_cache, v_cache, ch, scale, out)
+        return out

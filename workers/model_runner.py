@@ -1,12 +1,12 @@
 """Runs one scheduled step: flattens every request's new tokens into one unpadded batch, builds
-positions, slot mapping and block tables, runs the model, and samples for the requests that finished
-their chunk."""
+positions, slot mapping and block tables (the step's `CommonAttentionMetadata`, from which the attention
+backend builds its own metadata), runs the model, and samples for the requests that finished their chunk."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention import AttentionBackend
+from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.models.llama import LlamaForCausalLM
 from workers.request import Request
 from workers.sampler import SampleOutput, sample
@@ -70,8 +70,9 @@ class ModelRunner:
         query_lens = torch.tensor(out.num_new_tokens)
         start_t = torch.tensor(starts)
         context_lens = start_t + query_lens
-        cu_q = torch.cumsum(query_lens, 0)
-        positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - (cu_q - query_lens), query_lens)
+        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.long)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - query_start_loc[:-1], query_lens)
 
         width = max(len(r.block_ids) for r in reqs)
         block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
@@ -79,10 +80,10 @@ class ModelRunner:
         slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
 
         samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
-        logits_indices = cu_q[samples] - 1
+        logits_indices = query_start_loc[1:][samples] - 1
 
-        meta = self.attn.build_metadata(query_lens, context_lens, block_tables, slot_mapping, bs,
-                                        self.num_heads, self.num_kv_heads)
+        meta = self.attn.build_metadata(CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables,
+                                                                slot_mapping, bs, self.num_heads, self.num_kv_heads))
         logits = self.model(torch.tensor(input_ids), positions, self.kv_caches, self.attn, meta, logits_indices)
         sampled = [reqs[i] for i in samples]
         params = [r.sampling_params for r in sampled]

@@ -1,5 +1,6 @@
 """The paged CPU kernel against dense causal attention on random inputs: GQA, mixed chunk/decode
-batches, block sizes 1/16/32, context lengths off block boundaries, float32 and bfloat16."""
+batches, block sizes 1/16/32, context lengths off block boundaries, float32 and bfloat16. The compiled
+backend's cases skip where its kernels do not build."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import available_backends, get_attention_backend
+from compiled_kernels import COMPILED, needs_compiled_kernels
+from kernels import CommonAttentionMetadata, available_backends, get_attention_backend
 
 # (new tokens this step, context length including them) per request: decodes and chunks mixed,
 # a whole prompt (query == context), a chunk continuing a prompt, lengths off block boundaries.
@@ -24,7 +26,17 @@ def dense_reference(q, k, v, q_len, ctx):
     return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
 
 
-BACKENDS = ["torch", "cpp"]
+BACKENDS = ["torch", pytest.param("cpp", marks=needs_compiled_kernels)]
+
+
+def common_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], slots: list[int],
+                    block_size: int, heads: int, kv_heads: int) -> CommonAttentionMetadata:
+    """The step as the model runner would describe it; block tables padded with 0."""
+    width = max(map(len, block_tables))
+    q = torch.tensor(query_lens)
+    return CommonAttentionMetadata(q, torch.cat([torch.zeros(1, dtype=torch.long), q.cumsum(0)]),
+                                   torch.tensor(context_lens), torch.tensor([t + [0] * (width - len(t)) for t in block_tables]),
+                                   torch.tensor(slots), block_size, heads, kv_heads)
 
 
 def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0, backend="torch"):
@@ -45,10 +57,8 @@ def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=4
         tables.append(blocks)
         keys.append(k)
         values.append(v)
-    width = max(map(len, tables))
-    meta = backend.build_metadata(
-        torch.tensor([q for q, _ in batch]), torch.tensor([c for _, c in batch]),
-        torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(slots), block_size, heads, kv_heads)
+    meta = backend.build_metadata(common_metadata([q for q, _ in batch], [c for _, c in batch], tables, slots,
+                                                  block_size, heads, kv_heads))
     backend.write_kv(k_cache, v_cache, torch.cat([k[c - q:] for k, (q, c) in zip(keys, batch)]),
                      torch.cat([v[c - q:] for v, (q, c) in zip(values, batch)]), meta)
     query = torch.randn(sum(q for q, _ in batch), heads, dim, generator=gen).to(dtype)
@@ -86,7 +96,7 @@ def test_write_kv_fills_slots():
     backend = get_attention_backend()
     cache_k = torch.zeros(4, 2, 1, 3)
     cache_v = torch.zeros(4, 2, 1, 3)
-    meta = backend.build_metadata(torch.tensor([2]), torch.tensor([2]), torch.tensor([[3]]), torch.tensor([6, 7]), 2, 1, 1)
+    meta = backend.build_metadata(common_metadata([2], [2], [[3]], [6, 7], 2, 1, 1))
     key = torch.arange(6.0).view(2, 1, 3)
     backend.write_kv(cache_k, cache_v, key, -key, meta)
     assert torch.equal(cache_k[3], key) and torch.equal(cache_v[3], -key)
@@ -95,7 +105,11 @@ def test_write_kv_fills_slots():
 
 def test_registry():
     assert {"torch", "cpp"} <= set(available_backends())
-    assert get_attention_backend("auto").name == "cpp"  # builds on every machine of ours
+    if COMPILED:
+        assert get_attention_backend("auto").name == "cpp"
+    else:
+        with pytest.warns(UserWarning, match="compiled CPU attention unavailable"):
+            assert get_attention_backend("auto").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("nope")
 
@@ -107,6 +121,7 @@ LONG_BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (128, 128), (100, 30
               (1, 17), (3, 31)]
 
 
+@needs_compiled_kernels
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
 def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
@@ -119,16 +134,17 @@ def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
     assert (out.float() - expected).abs().mean() < 1e-3  # bfloat16 rounding of the output, no more
 
 
+@needs_compiled_kernels
 def test_compiled_write_kv_matches_torch_and_checks_slots():
     cpp, ref = get_attention_backend("cpp"), get_attention_backend("torch")
     qkv = torch.randn(50, 4 * 16 + 2 * 2 * 16).bfloat16()
     key, value = qkv[:, 64:96].view(50, 2, 16), qkv[:, 96:].view(50, 2, 16)  # strided views, as in the model
-    slots = torch.randperm(40 * 16)[:50]
-    meta = ref.build_metadata(torch.tensor([50]), torch.tensor([50]), torch.zeros(1, 4, dtype=torch.long), slots, 16, 4, 2)
+    common = common_metadata([50], [50], [[0] * 4], torch.randperm(40 * 16)[:50].tolist(), 16, 4, 2)
+    cpp_meta, ref_meta = cpp.build_metadata(common), ref.build_metadata(common)
     caches = [[torch.zeros(40, 16, 2, 16, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
-    cpp.write_kv(*caches[0], key, value, meta)
-    ref.write_kv(*caches[1], key, value, meta)
+    cpp.write_kv(*caches[0], key, value, cpp_meta)
+    ref.write_kv(*caches[1], key, value, ref_meta)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    meta.slot_mapping = torch.tensor([0] * 49 + [40 * 16])
+    cpp_meta.slot_mapping = torch.tensor([0] * 49 + [40 * 16])
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpp.write_kv(*caches[0], key, value, meta)
+        cpp.write_kv(*caches[0], key, value, cpp_meta)
