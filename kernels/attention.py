@@ -65,7 +65,10 @@ class AttentionBackend(ABC, Generic[M]):
 _REGISTRY: dict[str, str] = {
     "torch": "kernels.cpu_attention:TorchPagedAttention",
     "cpp": "kernels.cpp_attention:CppPagedAttention",
+    "triton": "kernels.triton_attention:TritonPagedAttention",
 }
+# What `auto` tries, in order, before falling back to the torch backend.
+_AUTO = {"cpu": ("cpp",), "cuda": ("triton",)}
 
 
 def available_backends() -> list[str]:
@@ -73,15 +76,18 @@ def available_backends() -> list[str]:
 
 
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """`auto` is the compiled CPU kernel when it builds here, else the pure-torch backend."""
+    """The backend `name` for tensors on `device`. `auto`: on the CPU the compiled kernels when they build
+    here, on CUDA the Triton kernels; else the pure-torch backend, which runs anywhere."""
+    device = torch.device(device)
     if name == "auto":
-        try:
-            return get_attention_backend("cpp", device)
-        except Exception as e:  # no compiler or ninja: the torch path computes the same thing
-            warnings.warn(f"compiled CPU attention unavailable ({e}); using the torch backend", stacklevel=2)
-            name = "torch"
+        for candidate in _AUTO.get(device.type, ()):
+            try:
+                return get_attention_backend(candidate, device)
+            except Exception as e:  # no compiler, no triton: the torch path computes the same thing
+                warnings.warn(f"{candidate} attention unavailable ({e}); trying the next backend", stacklevel=2)
+        name = "torch"
     if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(available_backends())}")
     module, cls = _REGISTRY[name].split(":")
-    factory: Callable[[], AttentionBackend] = getattr(importlib.import_module(module), cls)
-    return factory()
+    factory: Callable[[torch.device], AttentionBackend] = getattr(importlib.import_module(module), cls)
+    return factory(device)

@@ -14,7 +14,7 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.cpu_attention import ChunkGroup, DecodeGroup, chunk_attention, split_step
-from kernels.cpu_extension import load_extension
+from kernels.cpu_extension import load_extension, require_cpu
 
 
 @dataclass(slots=True)
@@ -30,7 +30,9 @@ class CppAttentionMetadata(AttentionMetadata):
 class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
     name = "cpp"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the cpp attention backend runs on the CPU, not {device}; use 'triton' or 'auto'")
         self._ext = load_extension()
         self._bf16 = self._ext.has_avx512_bf16()
 
@@ -42,10 +44,12 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: CppAttentionMetadata) -> None:
+        require_cpu(k_cache, key)
         self._ext.write_kv_(k_cache, v_cache, key, value, meta.slot_mapping)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CppAttentionMetadata,
                 scale: float) -> torch.Tensor:
+        require_cpu(query, k_cache)
         out = torch.empty_like(query)
         bf16 = self._use_bf16(query)
         if (dec := meta.decodes) is not None:

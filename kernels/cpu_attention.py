@@ -8,6 +8,7 @@ attention functions are plain, so the compiled backend shares them for its fallb
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -77,8 +78,9 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 def _chunk_layout(chunks: ChunkGroup, block_size: int, group: int) -> ChunkLayout:
     qlen, ctx = chunks.query_lens, chunks.context_lens
     max_q = int(qlen.max())
-    key_pos = torch.arange(chunks.block_tables.shape[1] * block_size)
-    qi = torch.arange(max_q)
+    dev = qlen.device
+    key_pos = torch.arange(chunks.block_tables.shape[1] * block_size, device=dev)
+    qi = torch.arange(max_q, device=dev)
     valid = qi[None, :] < qlen[:, None]  # [chunks, max_q]
     tokens = torch.where(valid, chunks.starts[:, None] + qi[None, :], 0)
     q_pos = (ctx - qlen)[:, None] + qi[None, :]  # absolute position of each query row
@@ -113,7 +115,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     if decodes.mask is None:
-        key_pos = torch.arange(decodes.block_tables.shape[1] * k_cache.shape[1])
+        key_pos = torch.arange(decodes.block_tables.shape[1] * k_cache.shape[1], device=q.device)
         decodes.mask = (key_pos[None, :] < decodes.context_lens[:, None])[:, None, None, :]
     k = _gather_kv(k_cache, decodes.block_tables)
     v = _gather_kv(v_cache, decodes.block_tables)
@@ -130,11 +132,27 @@ class TorchAttentionMetadata(AttentionMetadata):
     chunks: ChunkGroup | None
 
 
+def _on(group, device: torch.device):
+    """`group` (a DecodeGroup or ChunkGroup, or None) with its tensors on `device`."""
+    if group is None or device.type == "cpu":
+        return group
+    return dataclasses.replace(group, **{f.name: getattr(group, f.name).to(device, non_blocking=True)
+                                         for f in dataclasses.fields(group)
+                                         if isinstance(getattr(group, f.name), torch.Tensor)})
+
+
 class TorchPagedAttention(AttentionBackend[TorchAttentionMetadata]):
+    """Plain torch on any device: the CPU fallback, and the reference the other backends are tested against."""
+
     name = "torch"
 
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        return TorchAttentionMetadata(common.slot_mapping, *split_step(common))
+        decodes, chunks = split_step(common)
+        return TorchAttentionMetadata(common.slot_mapping.to(self.device, non_blocking=True),
+                                      _on(decodes, self.device), _on(chunks, self.device))
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: TorchAttentionMetadata) -> None:

@@ -9,6 +9,8 @@ import functools
 import time
 from pathlib import Path
 
+import torch
+
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / f"csrc_{name}.cpp" for name in ("bindings", "paged_decode", "attention_bf16", "layer_ops")]
 _NAME = "kvrelay_cpu_kernels"
@@ -33,3 +35,11 @@ def load_extension():
     return load(name=_NAME, sources=[str(s) for s in SOURCES], verbose=False,
                 extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
                 extra_ldflags=["-fopenmp"])
+
+
+def require_cpu(*tensors: torch.Tensor) -> None:
+    """The compiled kernels read host memory: refuse anything else with an error that says what to use."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"the compiled CPU kernels take CPU tensors, got one on {t.device}; on a GPU use "
+                             "attention_backend 'triton' (or 'auto')")

@@ -15,10 +15,13 @@ is wrong, so there (only) the dot products are computed in float32."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 
 
 def interpreting() -> bool:
@@ -171,3 +174,39 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), k_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         ROW=row, ROW_P=triton.next_power_of_2(row))
+
+
+@dataclass(slots=True)
+class TritonAttentionMetadata(AttentionMetadata):
+    """The step on the cache's device, in the int32 layout the kernels read."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32: cached plus new tokens
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+
+
+class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
+    """The GPU backend (and, under `TRITON_INTERPRET=1`, a CPU one for tests)."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not interpreting():
+            raise ValueError(f"the triton attention backend runs on CUDA devices, or on {self.device} only under "
+                             "TRITON_INTERPRET=1")
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        def put(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype, non_blocking=True)
+
+        return TritonAttentionMetadata(put(common.slot_mapping, torch.long), put(common.block_tables, torch.int32),
+                                       put(common.context_lens, torch.int32), put(common.query_start_loc, torch.int32))
+
+    def write_kv(self, k_cache, v_cache, key, value, meta: TritonAttentionMetadata) -> None:
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(query, k_cache, v_cache, torch.empty_like(query), meta.block_tables, meta.seq_lens,
+                               meta.query_start_loc, scale)

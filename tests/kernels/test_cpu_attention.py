@@ -26,7 +26,14 @@ def dense_reference(q, k, v, q_len, ctx):
     return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
 
 
-BACKENDS = ["torch", pytest.param("cpp", marks=needs_compiled_kernels)]
+try:
+    import triton  # noqa: F401  (run in its interpreter here: tests/conftest.py sets TRITON_INTERPRET=1)
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+BACKENDS = ["torch", pytest.param("cpp", marks=needs_compiled_kernels), pytest.param("triton", marks=needs_triton)]
 
 
 def common_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], slots: list[int],
@@ -108,10 +115,30 @@ def test_registry():
     if COMPILED:
         assert get_attention_backend("auto").name == "cpp"
     else:
-        with pytest.warns(UserWarning, match="compiled CPU attention unavailable"):
+        with pytest.warns(UserWarning, match="cpp attention unavailable"):
             assert get_attention_backend("auto").name == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("nope")
+
+
+@needs_compiled_kernels
+def test_compiled_kernels_refuse_other_devices():
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpp", "cuda")
+    backend = get_attention_backend("cpp")
+    meta = backend.build_metadata(common_metadata([1], [1], [[0]], [0], 4, 2, 1))
+    cache = torch.zeros(2, 4, 1, 32, device="meta")
+    with pytest.raises(ValueError, match="take CPU tensors, got one on meta"):
+        backend.forward(torch.zeros(1, 2, 32, device="meta"), cache, cache, meta, 1.0)
+
+
+@needs_triton
+def test_triton_matches_torch_backend_on_a_mixed_batch():
+    """The Triton backend against the torch backend itself (not only dense attention), same inputs."""
+    for dtype in (torch.float32, torch.bfloat16):
+        out_t, _ = run_case(16, dtype, BATCH, heads=9, kv_heads=3, dim=64, backend="triton")
+        out_r, _ = run_case(16, dtype, BATCH, heads=9, kv_heads=3, dim=64, backend="torch")
+        torch.testing.assert_close(out_t.float(), out_r.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 # Longer contexts and real head sizes for the compiled bfloat16 kernels (AVX512-BF16; head_dim a multiple
