@@ -45,6 +45,7 @@ class ChunkGroup:
     query_lens: torch.Tensor  # [chunks]
     context_lens: torch.Tensor  # [chunks]
     block_tables: torch.Tensor  # [chunks, blocks of the longest context], contiguous
+    max_query_len: int  # read on the host, so building the layout never waits for a device
     layout: ChunkLayout | None = None
 
 
@@ -64,7 +65,8 @@ def split_step(common: CommonAttentionMetadata) -> tuple[DecodeGroup | None, Chu
         idx = is_chunk.nonzero().squeeze(1)
         ctx = common.context_lens[idx]
         nb = int((ctx.max() + bs - 1) // bs)
-        chunks = ChunkGroup(starts[idx], common.query_lens[idx], ctx, common.block_tables[idx, :nb].contiguous())
+        qlen = common.query_lens[idx]
+        chunks = ChunkGroup(starts[idx], qlen, ctx, common.block_tables[idx, :nb].contiguous(), int(qlen.max()))
     return decodes, chunks
 
 
@@ -77,7 +79,7 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def _chunk_layout(chunks: ChunkGroup, block_size: int, group: int) -> ChunkLayout:
     qlen, ctx = chunks.query_lens, chunks.context_lens
-    max_q = int(qlen.max())
+    max_q = chunks.max_query_len
     dev = qlen.device
     key_pos = torch.arange(chunks.block_tables.shape[1] * block_size, device=dev)
     qi = torch.arange(max_q, device=dev)

@@ -56,7 +56,7 @@ def compile_all(arch: int) -> dict:
             consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
                           BLOCK_N=32, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
             pointers = {n: ptr for n in ("q_ptr", "k_cache", "v_cache", "out_ptr")}
-            pointers.update({n: "*i32" for n in ("block_tables", "seq_lens", "query_start_loc")})
+            pointers.update({n: "*i64" for n in ("block_tables", "seq_lens", "query_start_loc")})
             sig, cx = _signature(_paged_attention_kernel, pointers, {"scale"}, consts)
             build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim}")
         for row in STORE_ROWS:

@@ -178,12 +178,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 @dataclass(slots=True)
 class TritonAttentionMetadata(AttentionMetadata):
-    """The step on the cache's device, in the int32 layout the kernels read."""
+    """The step on the cache's device (int64; CUDA graphs capture views of one int64 buffer)."""
 
     slot_mapping: torch.Tensor  # [num_tokens]
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_reqs] int32: cached plus new tokens
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks]
+    seq_lens: torch.Tensor  # [num_reqs]: cached plus new tokens
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
 
 
 class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
@@ -201,8 +201,8 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
         def put(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype, non_blocking=True)
 
-        return TritonAttentionMetadata(put(common.slot_mapping, torch.long), put(common.block_tables, torch.int32),
-                                       put(common.context_lens, torch.int32), put(common.query_start_loc, torch.int32))
+        return TritonAttentionMetadata(put(common.slot_mapping, torch.long), put(common.block_tables, torch.long),
+                                       put(common.context_lens, torch.long), put(common.query_start_loc, torch.long))
 
     def write_kv(self, k_cache, v_cache, key, value, meta: TritonAttentionMetadata) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)

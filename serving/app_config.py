@@ -27,6 +27,9 @@ class AppConfig(BaseModel):
     downscale_delay_s: float = Field(300.0, ge=0, description="Autoscaling: how long load must stay low before removing one.")
     look_back_period_s: float = Field(10.0, gt=0, description="Autoscaling: window over which load is averaged.")
     metrics_interval_s: float = Field(1.0, gt=0, description="Autoscaling: how often replicas report their load.")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs each engine replica asks Ray for (fractions let a "
+                                   "prefill and a decode replica share one GPU); default: 1 when the engine's device "
+                                   "is cuda, else 0.")
     max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: requests waiting beyond this get HTTP 429.")
     max_ongoing_requests: int = Field(1024, ge=1, description="Per replica: Serve's cap on in-flight requests.")
     max_request_body_bytes: int = Field(8 << 20, ge=1, description="Larger request bodies get HTTP 413.")
@@ -89,11 +92,14 @@ class AppConfig(BaseModel):
 
         from router.request_router import KVRelayRequestRouter
 
-        threads = str((engine or self.engine).num_threads)
+        engine = engine or self.engine
+        threads = str(engine.num_threads)
+        gpus = self.num_gpus if self.num_gpus is not None else (1 if engine.device.startswith("cuda") else 0)
         opts: dict[str, Any] = {
             # Ray sets OMP_NUM_THREADS=1 in actors (from num_cpus=0); the engine's OpenMP code (our compiled
             # kernel, oneDNN) reads it once at start, so give it the engine's thread count instead.
-            "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
+            "ray_actor_options": {"num_cpus": 0, "num_gpus": gpus,
+                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
             "max_ongoing_requests": self.max_ongoing_requests,
             "request_router_config": RequestRouterConfig(
                 request_router_class=KVRelayRequestRouter,

@@ -35,7 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(2048, "Token budget of one step (prefill chunks plus decodes).")
     block_size: int = _opt(16, "Tokens per KV cache block.")
     num_kv_blocks: int | None = _opt(None, "KV cache size in blocks (overrides --kv-cache-memory).")
-    kv_cache_memory: int | str = _opt("2GiB", "KV cache size as memory, e.g. 2GiB; the block count follows from the model's shape.")
+    kv_cache_memory: int | str | None = _opt(
+        None, "KV cache size as memory, e.g. 2GiB; the block count follows from the model's shape; default: 2GiB "
+              "on the CPU, on a GPU, what --gpu-memory-utilization leaves after the weights and a profiling step.")
     scheduling_policy: str = _opt(SchedulingPolicy.FCFS.value,
                                   f"Waiting-queue order: {', '.join(SchedulingPolicy.names())}.")
     length_predictor: str | None = _opt(
@@ -43,7 +45,12 @@ class EngineConfig:
               "(kvrelay bench train-predictor writes one); default: a running mean of finished lengths.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps; off runs each prompt whole (budget >= max_model_len).")
-    attention_backend: str = _opt("auto", "Attention kernel: auto or a registered backend name.")
+    attention_backend: str = _opt("auto", "Attention kernel: auto (compiled on the CPU, triton on CUDA), torch, cpp "
+                                          "or triton.")
+    device: str = _opt("auto", "Where the model and KV cache live: auto (CUDA when available), cpu, cuda or cuda:N.")
+    gpu_memory_utilization: float = _opt(
+        0.9, "CUDA only: the fraction of the GPU's memory the engine may use (weights, activations, KV cache).")
+    enforce_eager: bool = _opt(False, "CUDA only: never capture CUDA graphs (decode steps run eagerly).")
     num_threads: int | None = _opt(None, "torch threads for the engine; default: all cores.")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
 
@@ -56,7 +63,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
-        if parse_memory(self.kv_cache_memory) <= 0:
+        if self.kv_cache_memory is not None and parse_memory(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.scheduling_policy not in SchedulingPolicy.names():
             raise ValueError(f"unknown scheduling_policy {self.scheduling_policy!r}; "
@@ -64,5 +71,9 @@ class EngineConfig:
         if self.length_predictor is not None and self.scheduling_policy != SchedulingPolicy.PREDICTED.value:
             raise ValueError(f"length_predictor is only used by scheduling_policy {SchedulingPolicy.PREDICTED.value!r}, "
                              f"not {self.scheduling_policy!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1

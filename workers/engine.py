@@ -24,7 +24,7 @@ from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sizing import num_kv_blocks, resolve_max_model_len
+from workers.sizing import gpu_kv_budget, num_kv_blocks, resolve_device, resolve_max_model_len
 
 
 @dataclass(slots=True)
@@ -73,23 +73,43 @@ class Engine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         self.dtype = resolve_dtype(config.dtype)
+        self.device = resolve_device(config.device)
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        self.model = load_model(files, hf_config, self.dtype, self.max_model_len)
-        self.num_kv_blocks = num_kv_blocks(config, self.model.args, self.dtype, self.max_model_len)
+        self.model = load_model(files, hf_config, self.dtype, self.max_model_len, self.device)
+        attn = get_attention_backend(config.attention_backend, self.device)
+        # The compiled layer ops come from the same build as the compiled attention: both or neither.
+        self.model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
+        budget = self._gpu_kv_budget(attn) if self.device.type == "cuda" else None
+        self.num_kv_blocks = num_kv_blocks(config, self.model.args, self.dtype, self.max_model_len, budget)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             self.max_model_len),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
-        attn = get_attention_backend(config.attention_backend)
-        # The compiled layer ops come from the same build as the compiled attention: both or neither.
-        self.model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
-        self.runner = ModelRunner(self.model, attn, self.num_kv_blocks, config.block_size, self.dtype, config.seed)
+        self.runner = ModelRunner(self.model, attn, self.num_kv_blocks, config.block_size, self.dtype, config.seed,
+                                  self.device)
+        if self.device.type == "cuda" and not config.enforce_eager and attn.name == "triton":
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
         self.vocab_size = self.model.args.vocab_size
         self._computed_tokens = 0
+
+    def _gpu_kv_budget(self, attn) -> int:
+        """Profile the largest step on a scratch cache and return the bytes left for the KV cache."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        bs = self.config.block_size
+        probe = ModelRunner(self.model, attn, -(-n // bs), bs, self.dtype, self.config.seed, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe.profile(n, min(n, self.config.max_num_seqs))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - probe.kv_cache.nbytes
+        del probe
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return gpu_kv_budget(total, free, peak, self.config.gpu_memory_utilization)
 
     # ---- requests in and out -------------------------------------------------------------------
 

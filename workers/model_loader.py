@@ -100,8 +100,9 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
-def load_model(files: list[str], config, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
-    """Build the model from `weight_files(path)` (validated by the caller before slower set-up)."""
+def load_model(files: list[str], config, dtype: torch.dtype, max_positions: int,
+               device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """Build the model on `device` from `weight_files(path)` (validated by the caller before slower set-up)."""
     from safetensors import safe_open
 
     args = ModelArgs.from_hf_config(config)
@@ -116,7 +117,7 @@ def load_model(files: list[str], config, dtype: torch.dtype, max_positions: int)
                     yield name, st.get_tensor(name)
 
     model.load_hf_weights(tensors())
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     model.init_rope(max_positions, dtype)
     return model.eval().requires_grad_(False)
 

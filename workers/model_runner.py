@@ -1,12 +1,17 @@
 """Runs one scheduled step: flattens every request's new tokens into one unpadded batch, builds
 positions, slot mapping and block tables (the step's `CommonAttentionMetadata`, from which the attention
-backend builds its own metadata), runs the model, and samples for the requests that finished their chunk."""
+backend builds its own metadata), runs the model, and samples for the requests that finished their chunk.
+
+Device-agnostic: inputs are built on the host and reach the device in one copy (from a pinned buffer on
+CUDA), and the sampled ids and logprobs come back in one copy. Decode-only steps replay CUDA graphs when
+they are enabled (`enable_decode_graphs`)."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
+from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.models.llama import LlamaForCausalLM
 from workers.request import Request
 from workers.sampler import SampleOutput, sample
@@ -15,17 +20,47 @@ from workers.scheduler import SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0) -> None:
+                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu") -> None:
         a = model.args
         self.model = model
         self.attn = attn
         self.block_size = block_size
+        self.device = torch.device(device)
         self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
         # One allocation for the whole cache; zeroed so that masked-out slots never hold NaN.
-        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype)
+        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
+                                    device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        self._staging = torch.empty(0, dtype=torch.long)
         torch.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+
+    def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: Capture = cuda_capture) -> None:
+        """Capture decode-only steps for a ladder of batch sizes up to `max_batch` (the attention backend
+        must be graph-safe: Triton's is)."""
+        from kernels.triton_attention import TritonAttentionMetadata
+
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self._forward, TritonAttentionMetadata, max_batch, max_blocks, self.device, capture)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, self.attn, meta, logits_indices)
+
+    def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """int64 host tensors on the device, in one copy (through a pinned staging buffer on CUDA)."""
+        if self.device.type == "cpu":
+            return parts
+        total = sum(p.numel() for p in parts)
+        if self._staging.numel() < total:
+            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.long,
+                                        pin_memory=self.device.type == "cuda")
+        flat = self._staging[:total]
+        torch.cat(parts, out=flat)
+        dev = flat.to(self.device, non_blocking=True)
+        return list(dev.split([p.numel() for p in parts]))
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' seeded generators."""
@@ -57,8 +92,20 @@ class ModelRunner:
             return None
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(seed)
+            gen = self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
         return gen
+
+    def profile(self, num_tokens: int, num_logits: int) -> None:
+        """One forward pass as large as a step gets (a `num_tokens` prompt chunk over blocks 0.., logits for
+        its last `num_logits` tokens), to measure peak memory. Needs a cache of `num_tokens` slots."""
+        q = torch.tensor([num_tokens])
+        positions = torch.arange(num_tokens)
+        common = CommonAttentionMetadata(q, torch.tensor([0, num_tokens]), q.clone(),
+                                         torch.arange(-(-num_tokens // self.block_size))[None], positions.clone(),
+                                         self.block_size, self.num_heads, self.num_kv_heads)
+        parts = [torch.zeros(num_tokens, dtype=torch.long), positions, torch.arange(num_tokens - num_logits, num_tokens)]
+        ids, positions, logits_indices = self._to_device(parts)
+        self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
         bs = self.block_size
@@ -82,9 +129,14 @@ class ModelRunner:
         samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
         logits_indices = query_start_loc[1:][samples] - 1
 
-        meta = self.attn.build_metadata(CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables,
-                                                                slot_mapping, bs, self.num_heads, self.num_kv_heads))
-        logits = self.model(torch.tensor(input_ids), positions, self.kv_caches, self.attn, meta, logits_indices)
+        common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
+                                         self.num_heads, self.num_kv_heads)
+        ids = torch.tensor(input_ids)
+        if self.graphs is not None and len(samples) == len(reqs) and self.graphs.supports(common):
+            logits = self.graphs.run(ids, positions, common)
+        else:
+            ids, positions, logits_indices = self._to_device([ids, positions, logits_indices])
+            logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
         sampled = [reqs[i] for i in samples]
         params = [r.sampling_params for r in sampled]
         gens = [self._generator(r.request_id, r.seed) for r in sampled]

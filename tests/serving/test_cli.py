@@ -47,7 +47,7 @@ def test_every_engine_option_is_a_flag_with_its_type_and_default():
         if kinds == {bool}:
             assert getattr(parser.parse_args([flag]), f.name) is True
             assert getattr(parser.parse_args(["--no-" + flag[2:]]), f.name) is False
-        elif kinds == {int}:
+        elif kinds in ({int}, {float}):
             assert getattr(parser.parse_args([flag, "7"]), f.name) == 7
             with pytest.raises(SystemExit):
                 parser.parse_args([flag, "seven"])

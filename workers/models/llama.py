@@ -112,11 +112,13 @@ class LlamaForCausalLM(nn.Module):
         self.ops: TorchLayerOps = TorchLayerOps()  # the engine installs the compiled ops when they build
 
     def init_rope(self, max_positions: int, dtype: torch.dtype) -> None:
-        """cos/sin for every position, computed in float32 as Hugging Face does, stored in `dtype`."""
+        """cos/sin for every position, computed in float32 on the CPU as Hugging Face does, stored in `dtype` on
+        the model's device."""
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * self.args.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_table = (emb.cos() * self.args.rope_scaling).to(dtype)
-        self.sin_table = (emb.sin() * self.args.rope_scaling).to(dtype)
+        device = self.embed_tokens.device
+        self.cos_table = (emb.cos() * self.args.rope_scaling).to(device=device, dtype=dtype)
+        self.sin_table = (emb.sin() * self.args.rope_scaling).to(device=device, dtype=dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

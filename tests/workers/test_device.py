@@ -1,0 +1,152 @@
+"""Device plumbing without a GPU: the engine with the Triton backend (in Triton's interpreter) on the CPU,
+decode CUDA graphs replayed through a stand-in capture, tensors that forget their device caught on the meta
+device, and the GPU cache sizing arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving import LLM, SamplingParams
+from workers.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture
+from workers.request import Request
+from workers.scheduler import SchedulerOutput
+from workers.sizing import gpu_kv_budget, resolve_device
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 17, list(range(300, 303))]
+
+
+def _greedy(llm: LLM, max_tokens: int = 12) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> list[list[int]]:
+    return _greedy(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB"))
+
+
+def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, reference):
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
+              max_num_batched_tokens=32)  # chunks, decodes and mixed steps
+    assert llm.engine.runner.attn.name == "triton"
+    assert _greedy(llm) == reference
+
+
+def test_decode_graph_ladder_and_padding_replay_the_eager_tokens(tiny_model_dir, reference):
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB")
+    replays: list[int] = []
+
+    def counting_capture(fn, pool):
+        replay, out = eager_capture(fn, pool)
+
+        def counted():
+            replays.append(out.shape[0])
+            replay()
+
+        return counted, out
+
+    llm.engine.runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len,
+                                           capture=counting_capture)
+    assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
+    assert _greedy(llm) == reference
+    assert replays and set(replays) <= {4, 8}  # 4 running requests, then fewer as none finish early: padded to 4
+    assert 4 in replays
+
+
+def test_batch_ladder():
+    assert batch_ladder(1) == [1]
+    assert batch_ladder(8) == [1, 2, 4, 8]
+    assert batch_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_ladder(256)[-3:] == [224, 240, 256]
+
+
+def test_graph_padding_rows_write_nowhere_and_see_one_key():
+    seen = {}
+
+    def forward(input_ids, positions, meta, logits_indices):
+        seen[input_ids.shape[0]] = {k: v.clone() for k, v in meta.items()}
+        return torch.zeros(input_ids.shape[0], 3)
+
+    def meta_for(slot_mapping, block_tables, seq_lens, query_start_loc):
+        return {"slot": slot_mapping, "tables": block_tables, "seq_lens": seq_lens, "qsl": query_start_loc}
+
+    graphs = DecodeGraphs(forward, meta_for, max_batch=4, max_blocks=3, device=torch.device("cpu"),
+                          capture=eager_capture)
+    from kernels.attention import CommonAttentionMetadata
+
+    common = CommonAttentionMetadata(torch.tensor([1, 1, 1]), torch.tensor([0, 1, 2, 3]), torch.tensor([5, 9, 2]),
+                                     torch.tensor([[7, 8], [3, 4], [6, 0]]), torch.tensor([33, 68, 97]), 4, 2, 1)
+    assert graphs.supports(common) and graphs.padded_size(3) == 4
+    logits = graphs.run(torch.tensor([11, 12, 13]), torch.tensor([4, 8, 1]), common)
+    assert logits.shape == (3, 3)
+    m = seen[4]
+    assert m["slot"].tolist() == [33, 68, 97, -1]
+    assert m["seq_lens"].tolist() == [5, 9, 2, 1]
+    assert m["qsl"].tolist() == [0, 1, 2, 3, 4]
+    assert m["tables"].tolist() == [[7, 8, 0], [3, 4, 0], [6, 0, 0], [0, 0, 0]]
+    wide = CommonAttentionMetadata(torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([20]),
+                                   torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([70]), 4, 2, 1)
+    assert not graphs.supports(wide)  # a block table wider than the captured buffers runs eagerly
+
+
+def test_a_tensor_that_forgets_its_device_is_caught(tiny_model_dir):
+    """Everything on the meta device: any step input or model tensor built on the CPU would fail to mix."""
+    from kernels.attention import get_attention_backend
+    from workers.model_loader import load_hf_config, load_model, weight_files
+    from workers.model_runner import ModelRunner
+
+    meta = torch.device("meta")
+    model = load_model(weight_files(tiny_model_dir), load_hf_config(tiny_model_dir), torch.float32, 256, meta)
+    assert model.cos_table.device == meta and model.embed_tokens.device == meta
+    runner = ModelRunner(model, get_attention_backend("torch", meta), 16, 16, torch.float32, device=meta)
+    reqs = [Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2), 2),
+            Request("b", [6, 7], SamplingParams(max_tokens=2), 2)]
+    reqs[0].block_ids, reqs[1].block_ids = [0], [1]
+    reqs[0].num_computed_tokens, reqs[1].num_computed_tokens = 4, 1
+    out = SchedulerOutput(reqs, [1, 1])  # decodes: the chunk path's boolean masking has no meta kernel
+    ids, positions, logits_indices = runner._to_device([torch.tensor([1, 2, 3, 4, 5, 7]), torch.arange(6),
+                                                        torch.tensor([4, 5])])
+    assert ids.device == meta
+    captured = {}
+    import workers.model_runner as mr
+
+    original = mr.sample
+    mr.sample = lambda logits, *a: captured.setdefault("logits", logits)
+    try:
+        runner.execute(out)
+    finally:
+        mr.sample = original
+    assert captured["logits"].device == meta and captured["logits"].shape == (2, model.args.vocab_size)
+
+
+def test_gpu_kv_budget():
+    gib = 2 ** 30
+    assert gpu_kv_budget(100 * gib, 99 * gib, 10 * gib, 0.9) == 80 * gib
+    assert gpu_kv_budget(100 * gib, 40 * gib, 10 * gib, 0.9) == 40 * gib - 60 * gib // 100  # a neighbour holds 60
+    with pytest.raises(ValueError, match="no GPU memory left"):
+        gpu_kv_budget(100 * gib, 99 * gib, 95 * gib, 0.9)
+
+
+def test_device_option():
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        from workers.config import EngineConfig
+
+        EngineConfig(device="tpu")
+
+
+def test_profile_step_runs_on_cpu(tiny_model_dir):
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB")
+    from workers.model_runner import ModelRunner
+
+    r = llm.engine.runner
+    probe = ModelRunner(r.model, r.attn, 4, 16, torch.float32)
+    probe.profile(64, 8)  # a full-size step over a scratch cache, as the GPU sizing runs it
+    assert probe.kv_cache.abs().sum() > 0

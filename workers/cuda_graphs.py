@@ -1,0 +1,134 @@
+"""CUDA graphs for decode-only steps, captured once per batch size of a ladder (as vLLM and nano-vllm do).
+
+A decode step's work depends only on its batch size, so each ladder size is captured over static buffers and
+a step of `n` decodes replays the smallest captured size `>= n`: its inputs are copied into the buffers with
+one host-to-device copy (one pinned host buffer laid out like the device buffer), and the padding rows write
+nowhere (slot -1, which the Triton store kernel skips) and attend one key of block 0. Prefill and mixed steps
+run eagerly. The capture function is a parameter so that the ladder and padding logic run on the CPU in tests
+(`eager_capture`), where replaying means calling the step again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import CommonAttentionMetadata
+
+Capture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, 8, then every multiple of 16 up to (and including) `max_batch`."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
+    return sorted(set(sizes + [max_batch]))
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """Warm `fn` up on a side stream, then capture it; returns the graph's replay and its output tensor."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph.replay, out
+
+
+def eager_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """A stand-in for `cuda_capture` on the CPU: replaying runs `fn` again into the same output tensor."""
+    out = fn()
+
+    def replay() -> None:
+        with torch.inference_mode():  # the model's output is an inference tensor
+            out.copy_(fn())
+
+    return replay, out
+
+
+@dataclass(slots=True)
+class _Buffers:
+    """Views into one int64 device buffer, so one copy fills every input of a step."""
+
+    flat: torch.Tensor
+    input_ids: torch.Tensor  # [max_batch]
+    positions: torch.Tensor  # [max_batch]
+    slot_mapping: torch.Tensor  # [max_batch]
+    seq_lens: torch.Tensor  # [max_batch]
+    query_start_loc: torch.Tensor  # [max_batch + 1]
+    block_tables: torch.Tensor  # [max_batch, max_blocks]
+
+    @classmethod
+    def make(cls, max_batch: int, max_blocks: int, device: torch.device, pin: bool) -> _Buffers:
+        flat = torch.zeros(5 * max_batch + 1 + max_batch * max_blocks, dtype=torch.long, device=device,
+                           pin_memory=pin)
+        b = max_batch
+        return cls(flat, flat[:b], flat[b:2 * b], flat[2 * b:3 * b], flat[3 * b:4 * b], flat[4 * b:5 * b + 1],
+                   flat[5 * b + 1:].view(b, max_blocks))
+
+
+class DecodeGraphs:
+    """`forward(input_ids, positions, common, logits_indices) -> logits` is the model step; `meta_for` builds
+    the attention backend's metadata over the static buffers (its tensors must be views of them)."""
+
+    def __init__(self, forward: Callable, meta_for: Callable, max_batch: int, max_blocks: int, device: torch.device,
+                 capture: Capture = cuda_capture) -> None:
+        self.sizes = batch_ladder(max_batch)
+        self.max_blocks = max_blocks
+        self.device = device
+        self._host = _Buffers.make(max_batch, max_blocks, torch.device("cpu"), pin=device.type == "cuda")
+        self._dev = _Buffers.make(max_batch, max_blocks, device, pin=False)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        d = self._dev
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            self._pad(0, size)
+            d.flat.copy_(self._host.flat)
+            meta = meta_for(d.slot_mapping[:size], d.block_tables[:size], d.seq_lens[:size], d.query_start_loc[:size + 1])
+            logits_indices = torch.arange(size, device=device)
+
+            def step(size=size, meta=meta, logits_indices=logits_indices) -> torch.Tensor:
+                return forward(d.input_ids[:size], d.positions[:size], meta, logits_indices)
+
+            self._graphs[size] = capture(step, pool)
+
+    def supports(self, common: CommonAttentionMetadata) -> bool:
+        """A decode-only step that fits the ladder and the buffers' block-table width."""
+        n = common.query_lens.shape[0]
+        return (n <= self.sizes[-1] and common.block_tables.shape[1] <= self.max_blocks
+                and int(common.query_start_loc[-1]) == n)
+
+    def padded_size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def _pad(self, n: int, size: int) -> None:
+        """Rows `n..size` of the host buffer: one query each at position 0, writing nowhere, seeing one key."""
+        h = self._host
+        h.input_ids[n:size] = 0
+        h.positions[n:size] = 0
+        h.slot_mapping[n:size] = -1
+        h.seq_lens[n:size] = 1
+        h.block_tables[n:size] = 0
+        h.query_start_loc[n:size + 1] = torch.arange(n, size + 1)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
+        """Logits ([n, vocab]) of a decode-only step of `n` requests, by replaying the padded size's graph."""
+        n = input_ids.shape[0]
+        size = self.padded_size(n)
+        h = self._host
+        h.input_ids[:n] = input_ids
+        h.positions[:n] = positions
+        h.slot_mapping[:n] = common.slot_mapping
+        h.seq_lens[:n] = common.context_lens
+        width = common.block_tables.shape[1]
+        h.block_tables[:n, :width] = common.block_tables
+        h.block_tables[:n, width:] = 0
+        h.query_start_loc[:n + 1] = common.query_start_loc
+        self._pad(n, size)
+        self._dev.flat.copy_(h.flat, non_blocking=True)
+        replay, logits = self._graphs[size]
+        replay()
+        return logits[:n]
