@@ -22,7 +22,7 @@ from workers.output_processor import OutputKind, OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sizing import num_kv_blocks, resolve_max_model_len
 
@@ -115,13 +115,18 @@ class Engine:
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE, hold_kv: bool = False,
                     kv_import: KVImport | None = None) -> None:
-        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid.
+        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid
+        (its `params` are validated again here, in case they were changed after construction).
 
         `hold_kv`: keep the prompt's blocks when the request finishes, for `export_kv` / `release_kv`
         (a prefill replica). `kv_import`: start from KV computed elsewhere for the first
         `kv_import.num_tokens` prompt tokens (a decode replica); if the pool has no room for it now, the
         prompt is recomputed instead."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        check_int("priority", priority)
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt, prompt_token_ids)
@@ -130,9 +135,14 @@ class Engine:
         if max_tokens > room:
             raise ValueError(f"prompt has {len(ids):,} tokens and max_tokens is {max_tokens:,}, together more than "
                              f"max_model_len {self.max_model_len:,}")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens:,}) exceeds the {max_tokens:,} tokens this request "
+                             "may generate")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary size {self.vocab_size}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
         if kv_import is not None:
@@ -146,10 +156,14 @@ class Engine:
                         seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv)
                 for i in range(params.n)]
         imported = self.scheduler.add_request(reqs[0], reqs[1:], kv_import.num_tokens if kv_import else 0)
-        if imported:
-            self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
-        self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind, arrival,
-                                 imported)
+        try:
+            if imported:
+                self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
+            self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind,
+                                     arrival, imported)
+        except BaseException:
+            self._finish(reqs, RequestStatus.FINISHED_ABORTED)  # leave the engine as it was
+            raise
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The computed prompt KV of a finished `hold_kv` request, packed for transfer."""
