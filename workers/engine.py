@@ -25,6 +25,7 @@ from workers.request_queue import make_request_queue
 from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sizing import num_kv_blocks, resolve_max_model_len
+from workers.step_isolation import execute_isolating
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ class Engine:
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
         self.vocab_size = self.model.args.vocab_size
         self._computed_tokens = 0
+        self.failed: dict[str, str] = {}  # requests the latest step failed and aborted: id -> error message
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -198,18 +200,34 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress."""
+        """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress.
+
+        A request that breaks the step fails alone: it is aborted (its blocks go back to the pool), its
+        error is in `failed` (request id -> message) until the next step, and the others go on."""
+        self.failed = {}
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
         self.outputs.mark_scheduled(sched.requests, time.monotonic())
-        result = self.runner.execute(sched)
-        self._computed_tokens += sched.total_num_tokens
-        sampled = self.scheduler.update_from_output(sched, result.token_ids)
-        outputs, stopped = self.outputs.process(sampled, result.logprobs, time.monotonic())
+        run = execute_isolating(self.runner.execute, sched)
+        if run.failed:
+            self._fail(run.failed)
+            run = run.without({r for r in run.sched.requests if r.status.finished})
+        self._computed_tokens += run.sched.total_num_tokens
+        sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
+        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic())
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs
+
+    def _fail(self, failed: dict[Request, str]) -> None:
+        """Abort each failed sequence's whole request (all `n` of its sequences) and record its error."""
+        for req, message in failed.items():
+            rid = req.parent_id or req.request_id
+            if rid not in self.failed:
+                self.failed[rid] = f"request {rid!r} failed in the engine and was aborted: {message}"
+                self.abort_request(rid)
+            self._finish([req], RequestStatus.FINISHED_ABORTED)  # no-op unless it was not tracked
 
     def _finish(self, requests: list[Request], status: RequestStatus) -> None:
         self.scheduler.finish_requests(requests, status)
