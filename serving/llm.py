@@ -68,14 +68,23 @@ class LLM:
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        while len(results) < len(ids):
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                failed = [rid for rid in ids if rid in self.engine.failed]
+                if failed:
+                    raise RuntimeError(f"prompt {ids.index(failed[0])} of this batch failed: "
+                                       f"{self.engine.failed[failed[0]]}; the other prompts were aborted")
+                if len(results) < len(ids) and not self.engine.has_unfinished_requests():
+                    missing = [i for i, rid in enumerate(ids) if rid not in results]
+                    raise RuntimeError(f"the engine ended prompts {missing[:5]} without output")
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids]
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

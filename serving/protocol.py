@@ -9,10 +9,25 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from workers.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
 
 MAX_N = 128
 MAX_STOP_SEQUENCES = 16
+
+# Every number must be one the engine can hold (int64 at most, floats finite): out of range is a 400
+# naming the field, never an error inside the engine.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _as_list(value: Any) -> Any:
+    """`stop` may be one string: make it a list, so that errors name `stop` or `stop.<index>`."""
+    return [value] if isinstance(value, str) else value
 
 
 class _Strict(BaseModel):
@@ -26,17 +41,17 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     model: str
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    seed: Int64 | None = None
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES), BeforeValidator(_as_list)] | None = None
+    stop_token_ids: Annotated[list[NonNegativeInt64], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    priority: int = 0
+    min_tokens: NonNegativeInt64 = 0
+    priority: Int64 = 0
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     user: str | None = None
@@ -50,8 +65,8 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: PositiveInt64 | None = 16
+    logprobs: Logprobs | None = None
     echo: Literal[False] = False
     suffix: None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
@@ -65,10 +80,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: PositiveInt64 | None = None
+    max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Logprobs | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):

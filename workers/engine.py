@@ -22,9 +22,10 @@ from workers.output_processor import OutputKind, OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sizing import gpu_kv_budget, num_kv_blocks, resolve_device, resolve_max_model_len
+from workers.step_isolation import execute_isolating
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ class Engine:
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
         self.vocab_size = self.model.args.vocab_size
         self._computed_tokens = 0
+        self.failed: dict[str, str] = {}  # requests the latest step failed and aborted: id -> error message
 
     def _gpu_kv_budget(self, attn) -> int:
         """Profile the largest step on a scratch cache and return the bytes left for the KV cache."""
@@ -135,13 +137,18 @@ class Engine:
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None, priority: int = 0,
                     output_kind: OutputKind = OutputKind.CUMULATIVE, hold_kv: bool = False,
                     kv_import: KVImport | None = None) -> None:
-        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid.
+        """Queue a request. Raises ValueError, leaving the engine untouched, if the request is invalid
+        (its `params` are validated again here, in case they were changed after construction).
 
         `hold_kv`: keep the prompt's blocks when the request finishes, for `export_kv` / `release_kv`
         (a prefill replica). `kv_import`: start from KV computed elsewhere for the first
         `kv_import.num_tokens` prompt tokens (a decode replica); if the pool has no room for it now, the
         prompt is recomputed instead."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        check_int("priority", priority)
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate_prompt(prompt, prompt_token_ids)
@@ -150,9 +157,14 @@ class Engine:
         if max_tokens > room:
             raise ValueError(f"prompt has {len(ids):,} tokens and max_tokens is {max_tokens:,}, together more than "
                              f"max_model_len {self.max_model_len:,}")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens:,}) exceeds the {max_tokens:,} tokens this request "
+                             "may generate")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary size {self.vocab_size}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
         if kv_import is not None:
@@ -166,10 +178,14 @@ class Engine:
                         seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv)
                 for i in range(params.n)]
         imported = self.scheduler.add_request(reqs[0], reqs[1:], kv_import.num_tokens if kv_import else 0)
-        if imported:
-            self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
-        self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind, arrival,
-                                 imported)
+        try:
+            if imported:
+                self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
+            self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind,
+                                     arrival, imported)
+        except BaseException:
+            self._finish(reqs, RequestStatus.FINISHED_ABORTED)  # leave the engine as it was
+            raise
 
     def export_kv(self, request_id: str) -> torch.Tensor:
         """The computed prompt KV of a finished `hold_kv` request, packed for transfer."""
@@ -204,18 +220,34 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress."""
+        """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress.
+
+        A request that breaks the step fails alone: it is aborted (its blocks go back to the pool), its
+        error is in `failed` (request id -> message) until the next step, and the others go on."""
+        self.failed = {}
         sched = self.scheduler.schedule()
         if not sched.requests:
             return []
         self.outputs.mark_scheduled(sched.requests, time.monotonic())
-        result = self.runner.execute(sched)
-        self._computed_tokens += sched.total_num_tokens
-        sampled = self.scheduler.update_from_output(sched, result.token_ids)
-        outputs, stopped = self.outputs.process(sampled, result.logprobs, time.monotonic())
+        run = execute_isolating(self.runner.execute, sched)
+        if run.failed:
+            self._fail(run.failed)
+            run = run.without({r for r in run.sched.requests if r.status.finished})
+        self._computed_tokens += run.sched.total_num_tokens
+        sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
+        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic())
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs
+
+    def _fail(self, failed: dict[Request, str]) -> None:
+        """Abort each failed sequence's whole request (all `n` of its sequences) and record its error."""
+        for req, message in failed.items():
+            rid = req.parent_id or req.request_id
+            if rid not in self.failed:
+                self.failed[rid] = f"request {rid!r} failed in the engine and was aborted: {message}"
+                self.abort_request(rid)
+            self._finish([req], RequestStatus.FINISHED_ABORTED)  # no-op unless it was not tracked
 
     def _finish(self, requests: list[Request], status: RequestStatus) -> None:
         self.scheduler.finish_requests(requests, status)

@@ -2,7 +2,8 @@
 
 Other threads never touch the engine. They hand requests and aborts to an inbox that the loop drains
 between steps, and receive each step's outputs (and engine errors) through one `publish` call per step,
-so the cost of crossing threads is paid per step, not per token."""
+so the cost of crossing threads is paid per step, not per token. A request that the engine refuses or
+that breaks a step fails alone, with its error published; the loop and the other requests go on."""
 
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ class EngineLoop:
                                         kv_import=kv)
             except ValueError as e:
                 errors[req.request_id] = str(e)
+            except Exception as e:  # a bug, not bad input: this request fails, the loop goes on
+                logger.exception("adding request %s failed", req.request_id)
+                errors[req.request_id] = f"the engine could not take the request: {type(e).__name__}: {e}"
             finally:
                 with self._lock:
                     self._queued -= 1
@@ -100,11 +104,13 @@ class EngineLoop:
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
-                except Exception as e:  # a bug or an OOM: fail what is in flight, keep the replica alive
+                except Exception as e:  # outside the model run (which isolates its failures): fail what is in flight
                     logger.exception("engine step failed")
                     ids = self.engine.unfinished_request_ids()
                     self.engine.abort_request(ids)
                     errors.update({rid: f"engine step failed: {e}" for rid in ids})
+                finally:
+                    errors.update(self.engine.failed)  # requests that broke the step, aborted on their own
             exports = {o.request_id: self.engine.export_kv(o.request_id) for o in outputs
                        if o.finished and self.engine.holds_kv(o.request_id)}
             self.stats = self.engine.get_stats()

@@ -16,6 +16,7 @@ from workers.models.llama import LlamaForCausalLM
 from workers.request import Request
 from workers.sampler import SampleOutput, sample
 from workers.scheduler import SchedulerOutput
+from workers.step_isolation import RequestsFailed
 
 
 class ModelRunner:
@@ -137,10 +138,30 @@ class ModelRunner:
         else:
             ids, positions, logits_indices = self._to_device([ids, positions, logits_indices])
             logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
-        sampled = [reqs[i] for i in samples]
-        params = [r.sampling_params for r in sampled]
-        gens = [self._generator(r.request_id, r.seed) for r in sampled]
-        return sample(logits, params, gens, [_min_tokens_ban(r) for r in sampled])
+        return self._sample(logits, [reqs[i] for i in samples])
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> SampleOutput:
+        """Sample one row per request. Raises `RequestsFailed` naming the requests whose own inputs (seeded
+        generator, ban list) could not be built; if sampling fails, seeded generators are put back as they
+        were, so a retry draws the same noise."""
+        gens: list[torch.Generator | None] = []
+        bans: list[list[int] | None] = []
+        failures: dict[str, str] = {}
+        for r in sampled:
+            try:
+                gens.append(self._generator(r.request_id, r.seed))
+                bans.append(_min_tokens_ban(r))
+            except Exception as e:
+                failures[r.request_id] = f"{type(e).__name__}: {e}"
+        if failures:
+            raise RequestsFailed(failures)
+        states = [(g, g.get_state()) for g in gens if g is not None]
+        try:
+            return sample(logits, [r.sampling_params for r in sampled], gens, bans)
+        except BaseException:
+            for g, state in states:
+                g.set_state(state)
+            raise
 
 
 def _min_tokens_ban(req: Request) -> list[int] | None:

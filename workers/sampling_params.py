@@ -1,17 +1,44 @@
-"""Per-request sampling parameters, validated on construction (vLLM's names and meanings)."""
+"""Per-request sampling parameters, validated on construction (vLLM's names and meanings).
+
+Every value must be one the engine can hold: integers that reach a tensor or a seeded generator fit
+int64, floats are finite, and lists are bounded, so one request's parameters can never break a step
+that other requests share."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_N = 1024
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def check_int(name: str, value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> None:
+    """Raise ValueError naming `name` unless `value` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's completion(s).
 
-    `temperature == 0` is greedy. `top_k == -1` (or 0) and `top_p == 1` disable those filters.
-    `stop` strings are matched on the detokenized text and excluded from it; `stop_token_ids`
-    end the completion like EOS (and are kept in the token ids, not in the text).
+    `temperature == 0` is greedy. `top_k == -1` (or 0) and `top_p == 1` disable those filters; a
+    `top_k` above the vocabulary size keeps the whole vocabulary. `stop` strings are matched on the
+    detokenized text and excluded from it; `stop_token_ids` end the completion like EOS (and are kept in
+    the token ids, not in the text). Fields changed after construction are checked again by `validate()`,
+    which the engine calls on every request it takes.
     """
 
     n: int = 1
@@ -29,29 +56,54 @@ class SamplingParams:
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (ValueError naming the first bad one) and normalise `stop`, `stop_token_ids`
+        and `top_k == 0`."""
+        check_int("n", self.n, 1, MAX_N)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1)
+        if _check_float("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < _check_float("top_p", self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer up to {INT64_MAX}, got {self.top_k!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._stop = self._check_stop()
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        for token in self.stop_token_ids:
+            check_int("each of stop_token_ids", token, 0)
+        if self.top_k == 0:
+            self.top_k = -1
+
+    def _check_stop(self) -> list[str]:
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        self._stop = stop
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == 0:
-            self.top_k = -1
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        longest = max(stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of "
+                             f"{len(longest):,}")
+        return stop
 
     @property
     def stop_strings(self) -> list[str]:

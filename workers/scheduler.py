@@ -40,6 +40,11 @@ class SchedulerOutput:
     def total_num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @staticmethod
+    def samples(request: Request, num_new_tokens: int) -> bool:
+        """Whether a request scheduled for `num_new_tokens` samples a token this step."""
+        return request.num_computed_tokens + num_new_tokens == request.num_tokens
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, waiting: RequestQueue) -> None:

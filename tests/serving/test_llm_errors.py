@@ -112,3 +112,21 @@ def test_an_engine_config_or_engine_options_not_both(tiny_model_dir):
     assert len(out.outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="not both"):
         LLM(tiny_model_dir, config=config)
+
+
+def test_a_request_that_fails_in_the_engine_raises_and_frees_everything(llm, monkeypatch):
+    real = llm.engine.runner._generator
+
+    def generator(request_id: str, seed: int | None):
+        if seed == 666:
+            raise OverflowError("Overflow when unpacking long long")
+        return real(request_id, seed)
+
+    monkeypatch.setattr(llm.engine.runner, "_generator", generator)
+    good = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"prompt 1 of this batch failed: request 'offline-\d+' .*Overflow"):
+        llm.generate([[5, 6, 7], [8, 9, 10]], [good, SamplingParams(max_tokens=4, seed=666)])
+    stats = llm.engine.get_stats()
+    assert not llm.engine.has_unfinished_requests() and stats.kv_cache_usage == 0.0
+    (out,) = llm.generate([[5, 6, 7]], good)
+    assert len(out.outputs[0].token_ids) == 4

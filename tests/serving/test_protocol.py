@@ -49,6 +49,43 @@ def test_bad_values_name_the_field(body, param):
     assert err["param"].startswith(param) and param in err["message"]
 
 
+@pytest.mark.parametrize("model, extra, param", [
+    (CompletionRequest, {"seed": 2**64}, "seed"),
+    (CompletionRequest, {"seed": -2**63 - 1}, "seed"),
+    (CompletionRequest, {"top_k": 2**63}, "top_k"),
+    (CompletionRequest, {"priority": 2**63}, "priority"),
+    (CompletionRequest, {"min_tokens": 2**63}, "min_tokens"),
+    (CompletionRequest, {"max_tokens": 2**63}, "max_tokens"),
+    (CompletionRequest, {"logprobs": 21}, "logprobs"),
+    (CompletionRequest, {"stop_token_ids": [3, 2**63]}, "stop_token_ids"),
+    (CompletionRequest, {"stop_token_ids": [-1]}, "stop_token_ids"),
+    (CompletionRequest, {"stop": ""}, "stop"),
+    (CompletionRequest, {"stop": "x" * 1025}, "stop"),
+    (ChatCompletionRequest, {"max_completion_tokens": 2**63}, "max_completion_tokens"),
+    (ChatCompletionRequest, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (ChatCompletionRequest, {"seed": 2**64}, "seed"),
+])
+def test_numbers_the_engine_cannot_hold_are_refused(model, extra, param):
+    base = {"model": "m", "prompt": "x"} if model is CompletionRequest else \
+        {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    err = error_for(model, base | extra)
+    assert err["param"].startswith(param) and param in err["message"] and err["code"] == "invalid_value"
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_floats_must_be_finite(raw, field):
+    err = error_for(CompletionRequest, f'{{"model": "m", "prompt": "x", "{field}": {raw}}}')
+    assert err["param"] == field
+
+
+def test_int64_edges_and_one_stop_string_parse():
+    r = parse(CompletionRequest, {"model": "m", "prompt": "x", "seed": 2**63 - 1, "top_k": 2**63 - 1,
+                                  "priority": -2**63, "stop": "end"})
+    assert r.seed == 2**63 - 1 and r.top_k == 2**63 - 1 and r.priority == -2**63 and r.stop == ["end"]
+    assert parse(CompletionRequest, {"model": "m", "prompt": "x", "seed": -2**63}).seed == -2**63
+
+
 def test_unknown_field_and_missing_field_and_bad_json():
     err = error_for(CompletionRequest, {"model": "m", "prompt": "x", "best_of_three": 1})
     assert err["code"] == "unknown_parameter" and "best_of_three" in err["message"]

@@ -1,8 +1,10 @@
-"""Overload, replica failure and autoscaling, each on its own small app in the shared Ray cluster."""
+"""Overload, bad requests beside good ones, replica failure and autoscaling, each on its own small app in
+the shared Ray cluster."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -40,6 +42,31 @@ def test_queue_full_refuses_fast(deploy_app):
     assert max(r[2] for r in refused) < slowest_ok  # refusals do not wait for the work in front of them
     m = scrape(url)
     assert metric_sum(m, "kvrelay:kv_cache_usage_perc") == 0
+
+
+def test_numbers_the_engine_cannot_hold_get_400_and_spare_a_running_stream(deploy_app):
+    url = deploy_app("isolation", max_num_seqs=8)
+    good = {"model": MODEL, "prompt": "Count to fifty:", "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    bad = [("seed", 2**64), ("seed", -2**63 - 1), ("top_k", 2**63)]
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", json=good) as resp:
+                events = [await resp.content.readline()]
+                refused = await asyncio.gather(*(
+                    _post(session, url, {"model": MODEL, "prompt": "Hi", "max_tokens": 4, field: value})
+                    for field, value in bad))
+                events += [line async for line in resp.content]
+                return resp.status, refused, [e.decode().strip() for e in events if e.strip()]
+
+    status, refused, events = asyncio.run(run())
+    for (field, _), (code, body, _) in zip(bad, refused):
+        assert code == 400 and body["error"]["param"] == field and field in body["error"]["message"], body
+    assert status == 200 and events[-1] == "data: [DONE]" and not any('"error":' in e for e in events), events[-3:]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert metric_sum(scrape(url), "kvrelay:kv_cache_usage_perc") == 0
 
 
 def _replica_actors(app: str, deployment: str) -> list:
@@ -121,7 +148,7 @@ def test_autoscaling_adds_a_replica_that_serves(deploy_app):
 @pytest.fixture(autouse=True, scope="module")
 def _cleanup_apps():
     yield
-    for app in ("queue", "kill", "scale"):
+    for app in ("queue", "isolation", "kill", "scale"):
         try:
             serve.delete(app)
         except Exception:
