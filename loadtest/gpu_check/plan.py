@@ -8,6 +8,7 @@ from dataclasses import dataclass
 # (new tokens this step, context length including them): decodes and chunks mixed, off block boundaries
 KERNEL_BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (3, 50), (1, 1)]
 KERNEL_BATCH_LONG = KERNEL_BATCH + [(1, 1000), (64, 700), (1, 2049)]
+KERNEL_BATCH_DRY = [(1, 5), (7, 40), (1, 33), (3, 3)]
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
 ROOFLINE_TARGET = 0.25
 GRAPH_SPEEDUP_TARGET = 3.0
@@ -21,6 +22,7 @@ class Plan:
     kv_cache_memory: str
     kernel_heads: tuple[tuple[int, int, int], ...]  # (heads, kv_heads, head_dim)
     kernel_batch: tuple[tuple[int, int], ...]
+    warmup_tokens: int
     parity_prompts: int
     parity_prompt_len: int
     parity_tokens: int
@@ -35,10 +37,15 @@ class Plan:
 
     @classmethod
     def gpu(cls) -> Plan:
-        return cls(False, "cuda", 1024, "6GiB", ((9, 3, 64), (8, 1, 128), (4, 4, 64)), tuple(KERNEL_BATCH_LONG),
-                   8, 32, 24, 256, 128, 128, 128, 128, 100, 16, 1 << 30)
+        return cls(dry_run=False, device="cuda", max_model_len=1024, kv_cache_memory="6GiB",
+                   kernel_heads=((9, 3, 64), (8, 1, 128), (4, 4, 64)), kernel_batch=tuple(KERNEL_BATCH_LONG),
+                   warmup_tokens=4, parity_prompts=8, parity_prompt_len=32, parity_tokens=24, batch=256,
+                   prompt_len=128, output_len=128, batch1_prompt_len=128, batch1_output_len=128, pd_prompt_len=100,
+                   pd_tokens=16, copy_bytes=1 << 30)
 
     @classmethod
     def dry(cls) -> Plan:
-        return cls(True, "cpu", 128, "64MiB", ((4, 2, 32),), tuple(KERNEL_BATCH), 2, 8, 4, 4, 8, 4, 8, 4, 12, 3,
-                   1 << 22)
+        return cls(dry_run=True, device="cpu", max_model_len=64, kv_cache_memory="16MiB",
+                   kernel_heads=((4, 2, 32),), kernel_batch=tuple(KERNEL_BATCH_DRY), warmup_tokens=1,
+                   parity_prompts=2, parity_prompt_len=8, parity_tokens=3, batch=2, prompt_len=8, output_len=3,
+                   batch1_prompt_len=8, batch1_output_len=3, pd_prompt_len=10, pd_tokens=2, copy_bytes=1 << 22)

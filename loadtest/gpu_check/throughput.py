@@ -69,7 +69,8 @@ def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
 
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float) -> dict:
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=plan.batch)
-    generate(engine, random_prompts(min(plan.batch, 8), plan.prompt_len, vocab, seed=9), greedy(4), prefix="w")
+    warm = random_prompts(min(plan.batch, 8), plan.prompt_len, vocab, seed=9)
+    generate(engine, warm, greedy(plan.warmup_tokens), prefix="w")
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
     result = {"graphs": graphs, "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
@@ -89,7 +90,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
 def batch1_decode(plan: Plan, model: str, vocab: int, graphs: bool) -> dict:
     """One request: decode tokens per second over its decode steps (its prefill excluded)."""
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=8)
-    generate(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=8), greedy(4), prefix="w")
+    generate(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=8), greedy(plan.warmup_tokens), prefix="w")
     run = _timed_run(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=4), plan.batch1_output_len)
     steps = [t for t, _ in run["decode_steps"]]
     del engine
