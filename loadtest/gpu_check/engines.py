@@ -1,0 +1,62 @@
+"""Building engines for the check and running batches of token prompts through them to the end."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import torch
+
+from loadtest.gpu_check.plan import Plan
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
+
+
+def make_engine(plan: Plan, model: str, dtype: str, device: str, backend: str, graphs: bool,
+                max_num_seqs: int = 256) -> Engine:
+    """An engine on `device`; `graphs` captures decode graphs (CUDA graphs on a GPU, replayed eagerly on
+    the CPU through `eager_capture`, which needs the triton backend)."""
+    config = EngineConfig(model=model, dtype=dtype, device=device, attention_backend=backend,
+                          enforce_eager=not graphs, max_model_len=plan.max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=2048, kv_cache_memory=plan.kv_cache_memory)
+    engine = Engine(config)
+    if graphs and engine.device.type == "cpu":
+        from workers.cuda_graphs import eager_capture
+
+        engine.runner.enable_decode_graphs(max_num_seqs, engine.max_model_len, capture=eager_capture)
+    return engine
+
+
+def release_memory() -> None:
+    """Return a dropped engine's device memory before the next one sizes its cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, prefix: str = "r") -> list[list[int]]:
+    """Every prompt's output tokens, in prompt order."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)

@@ -1,0 +1,188 @@
+"""The check's command line and driver: each section runs on its own, a failure is recorded and the rest go
+on, and everything lands in `OUT/gpu_check.json` plus a printed summary. Only the standard library is
+imported at module level, so `--dry-run` can set TRITON_INTERPRET before Triton loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = ".gpu_check/model"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.gpu_check", description=__doc__)
+    p.add_argument("--prepare", metavar="DIR", help="write config.json and the tokenizer files into DIR and exit "
+                   "(on a machine with the default model; carry DIR to the GPU machine)")
+    p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="the prepared folder (random weights are written "
+                   f"into it on first run); default: {DEFAULT_MODEL_DIR}")
+    p.add_argument("--out", help="folder for gpu_check.json")
+    p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, Triton interpreted, graphs "
+                   "replayed eagerly: exercises every section here")
+    args = p.parse_args(argv)
+    if args.prepare is None and args.out is None:
+        p.error("--out DIR is required (or --prepare DIR)")
+    return args
+
+
+def _section(name: str, fn: Callable[[], dict], results: dict) -> None:
+    start = time.perf_counter()
+    print(f"[gpu_check] {name} ...", flush=True)
+    try:
+        data = fn()
+        status = data.pop("status", None) or ("passed" if data.get("passed") else "failed")
+    except Exception as e:
+        data, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, "error"
+    data = {"status": status, **data, "elapsed_s": round(time.perf_counter() - start, 2)}
+    results[name] = data
+    print(f"[gpu_check] {name}: {status} ({data['elapsed_s']} s)", flush=True)
+
+
+def environment() -> dict:
+    import torch
+
+    info: dict = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+                 "capability": f"{props.major}.{props.minor}"}
+    try:
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as e:
+        info["nccl"] = f"unavailable ({type(e).__name__})"
+    return {"passed": True, **info}
+
+
+def throughput(plan, model: str, vocab: int) -> dict:
+    import torch
+
+    from loadtest.gpu_check.plan import GRAPH_SPEEDUP_TARGET, ROOFLINE_TARGET
+    from loadtest.gpu_check.throughput import batch1_decode, batch_throughput, copy_bandwidth
+
+    bandwidth = copy_bandwidth(torch.device(plan.device), plan.copy_bytes)
+    batch = {"graphs": batch_throughput(plan, model, vocab, True, bandwidth),
+             "eager": batch_throughput(plan, model, vocab, False, bandwidth)}
+    single = {"graphs": batch1_decode(plan, model, vocab, True), "eager": batch1_decode(plan, model, vocab, False)}
+    eager_tok_s = single["eager"]["decode_tok_s"]
+    speedup = single["graphs"]["decode_tok_s"] / eager_tok_s if eager_tok_s else None
+    fraction = batch["graphs"].get("roofline_fraction")
+    targets = {"decode_roofline_fraction_with_graphs": {"value": fraction, "target": ROOFLINE_TARGET,
+                                                         "met": fraction is not None and fraction >= ROOFLINE_TARGET},
+               "batch1_graphs_over_eager": {"value": speedup, "target": GRAPH_SPEEDUP_TARGET,
+                                            "met": speedup is not None and speedup >= GRAPH_SPEEDUP_TARGET}}
+    measured = all(b.get("decode_only_steps") for b in batch.values()) and all(
+        s["decode_steps"] for s in single.values())
+    # A dry run on the CPU measures nothing meaningful: it only has to complete.
+    met = all(t["met"] for t in targets.values()) or plan.dry_run
+    return {"passed": measured and met, "targets_applied": not plan.dry_run, "targets": targets,
+            "copy_bandwidth_gb_s": bandwidth / 1e9, "batch": batch, "batch1": single,
+            "batch1_graphs_over_eager": speedup}
+
+
+def tensor_parallel() -> dict:
+    import torch
+
+    reason = "not implemented"
+    if torch.cuda.device_count() < 2:
+        reason += "; needs >= 2 GPUs"
+    return {"status": "skipped", "reason": reason}
+
+
+def run_checks(plan, model_dir: Path) -> dict:
+    from loadtest.gpu_check.model_files import write_weights
+
+    write_weights(model_dir)
+    model = str(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    import torch
+
+    from loadtest.gpu_check import greedy_parity, pd_handoff
+    from loadtest.gpu_check.kernel_parity import check_kernels
+    from loadtest.gpu_check.plan import TOLERANCE
+
+    device = torch.device(plan.device)
+    results: dict = {}
+    _section("environment", environment, results)
+    _section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE), results)
+    _section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab), results)
+    _section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab), results)
+    _section("throughput", lambda: throughput(plan, model, vocab), results)
+    why_not = pd_handoff.transport_available()
+    if why_not:
+        results["pd_handoff"] = {"status": "skipped", "reason": why_not}
+    else:
+        _section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), results)
+    _section("tensor_parallel", tensor_parallel, results)
+    return results
+
+
+def summary(report: dict) -> str:
+    lines = [f"gpu_check ({report['mode']}) in {report['elapsed_s']:.0f} s: "
+             f"{'ALL PASSED' if report['all_passed'] else 'FAILURES'}"]
+    for name, data in report["checks"].items():
+        extra = data.get("reason") or data.get("error") or ""
+        lines.append(f"  {name:26s} {data['status']:8s} {extra}".rstrip())
+    tp = report["checks"].get("throughput", {})
+    for kind in ("graphs", "eager"):
+        b = tp.get("batch", {}).get(kind, {})
+        if b:
+            frac = b.get("roofline_fraction")
+            lines.append(f"  batch {b['requests']} {kind}: {b['output_tok_s']:.0f} out tok/s, decode step "
+                         f"{b.get('decode_step_ms', float('nan')):.2f} ms, roofline "
+                         f"{'n/a' if frac is None else f'{frac:.0%}'}")
+    if tp.get("batch1"):
+        g, e = tp["batch1"]["graphs"], tp["batch1"]["eager"]
+        lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
+                     f"ratio {tp.get('batch1_graphs_over_eager') or 0:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.prepare is not None:
+        from loadtest.gpu_check.model_files import prepare
+
+        print(f"prepared {prepare(Path(args.prepare))}")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    from loadtest.gpu_check.model_files import TINY_SHAPE, prepare
+    from loadtest.gpu_check.plan import Plan
+
+    start = time.perf_counter()
+    if args.dry_run:
+        plan, model_dir = Plan.dry(), prepare(out / "tiny-model", TINY_SHAPE)
+    else:
+        plan, model_dir = Plan.gpu(), Path(args.model)
+    try:
+        checks = run_checks(plan, model_dir)
+    except Exception as e:  # the model folder itself: nothing else can run
+        checks = {"setup": {"status": "error", "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc()[-4000:]}}
+    by_status: dict[str, list[str]] = {"passed": [], "failed": [], "error": [], "skipped": []}
+    for name, data in checks.items():
+        by_status.setdefault(data["status"], []).append(name)
+    report = {"mode": "dry-run" if args.dry_run else "gpu", "model": str(model_dir), "argv": sys.argv[1:],
+              "elapsed_s": time.perf_counter() - start, "all_passed": not by_status["failed"] and not by_status["error"],
+              **by_status, "checks": checks}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(summary(report))
+    print(f"wrote {out / 'gpu_check.json'}")
+    return 0

@@ -1,0 +1,99 @@
+"""Throughput with decode graphs on and off: a full batch's output tokens per second, its decode-only step
+time against the memory roofline (weights plus the KV read once per step, at the measured copy bandwidth),
+and one request's decode speed."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from loadtest.gpu_check.engines import generate, greedy, make_engine, random_prompts, release_memory, sync
+from loadtest.gpu_check.plan import Plan
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second of `dst.copy_(src)`, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    num_layers, _, _, _, kv_heads, head_dim = engine.runner.kv_cache.shape
+    return num_layers * 2 * kv_heads * head_dim * engine.runner.kv_cache.element_size()
+
+
+def weight_bytes(engine: Engine) -> int:
+    return sum(p.nbytes for p in engine.model.parameters())
+
+
+def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Run every prompt to the end; wall time, and each decode-only step of the full batch with the tokens
+    of context it read."""
+    params = greedy(max_tokens)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"t{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
+    s = engine.scheduler
+    steps: list[tuple[float, int]] = []
+    outputs = 0
+    sync(engine)
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        full_decode = (len(s.running) == len(prompts) and s.num_waiting == 0
+                       and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
+        context = sum(r.num_tokens for r in s.running) if full_decode else 0
+        t0 = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                outputs += len(out.outputs[0].token_ids)
+        if full_decode:
+            steps.append((time.perf_counter() - t0, context))
+    sync(engine)
+    return {"wall_s": time.perf_counter() - start, "output_tokens": outputs, "decode_steps": steps}
+
+
+def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float) -> dict:
+    engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=plan.batch)
+    warm = random_prompts(min(plan.batch, 8), plan.prompt_len, vocab, seed=9)
+    generate(engine, warm, greedy(plan.warmup_tokens), prefix="w")
+    run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
+    steps = run.pop("decode_steps")
+    result = {"graphs": graphs, "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
+              "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
+    if steps:
+        step_s = statistics.median(t for t, _ in steps)
+        context = statistics.median(c for _, c in steps)
+        moved = weight_bytes(engine) + context * kv_bytes_per_token(engine)
+        roofline_s = moved / bandwidth
+        result |= {"decode_step_ms": step_s * 1e3, "decode_context_tokens": context, "bytes_per_step": moved,
+                   "roofline_step_ms": roofline_s * 1e3, "roofline_fraction": roofline_s / step_s}
+    del engine
+    release_memory()
+    return result
+
+
+def batch1_decode(plan: Plan, model: str, vocab: int, graphs: bool) -> dict:
+    """One request: decode tokens per second over its decode steps (its prefill excluded)."""
+    engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=8)
+    generate(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=8), greedy(plan.warmup_tokens), prefix="w")
+    run = _timed_run(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=4), plan.batch1_output_len)
+    steps = [t for t, _ in run["decode_steps"]]
+    del engine
+    release_memory()
+    return {"graphs": graphs, "decode_steps": len(steps), "decode_tok_s": len(steps) / sum(steps) if steps else 0.0,
+            "median_step_ms": statistics.median(steps) * 1e3 if steps else None}
