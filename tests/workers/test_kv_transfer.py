@@ -103,6 +103,25 @@ def test_resolve_transport():
         resolve_transport("nccl", torch.device("cpu"))
 
 
+def test_resolve_transport_picks_by_where_the_peer_is():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_transport("auto", cuda, nccl=True) == "cuda_ipc+nccl"  # peer unknown: the receiver picks
+    assert resolve_transport("auto", cuda, same_gpu=True, nccl=True) == "cuda_ipc"
+    assert resolve_transport("auto", cuda, same_gpu=False, nccl=True) == "nccl"
+    assert resolve_transport("auto", cuda, same_gpu=True, nccl=False) == "cuda_ipc"
+    assert resolve_transport("auto", cuda, nccl=False) == "object_store"
+    assert resolve_transport("auto", cuda, same_gpu=False, nccl=False) == "object_store"
+    assert resolve_transport("auto", cpu, same_gpu=True, nccl=True) == "object_store"
+    for explicit in ("object_store", "gloo", "nccl", "cuda_ipc", "cuda_ipc+nccl"):
+        assert resolve_transport(explicit, cuda, same_gpu=False, nccl=True) == explicit
+    assert resolve_transport("cuda_ipc", cpu) == "cuda_ipc"
+    with pytest.raises(ValueError, match="cuda_ipc\\+nccl KV transport needs CUDA tensors and NCCL"):
+        resolve_transport("cuda_ipc+nccl", cuda, nccl=False)
+    with pytest.raises(ValueError, match="cuda_ipc KV transport shares CUDA"):
+        resolve_transport("cuda_ipc", torch.device("meta"))
+    assert make_sender("cuda_ipc").transport == "cuda_ipc"
+    assert make_receiver("cuda_ipc", cpu).device == cpu
+
 
 def _transport_threads() -> dict[str, int]:
     """Live threads of the p2p transports: our Python ones by name, and the native ones of gloo and the
