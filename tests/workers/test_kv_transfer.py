@@ -181,13 +181,22 @@ FETCH_IN_CHILD = """
 import hashlib, pickle, sys
 import torch
 from workers.kv_transfer.cuda_ipc import CudaIpcReceiver
-payload = CudaIpcReceiver(torch.device("cpu")).fetch(pickle.load(sys.stdin.buffer))
-print(hashlib.sha256(payload.view(torch.uint8).numpy().tobytes()).hexdigest())
+payload = CudaIpcReceiver(torch.device(sys.argv[1])).fetch(pickle.load(sys.stdin.buffer))
+assert payload.device.type == sys.argv[1]
+print(hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
 """
 
 
 def _digest(payload: torch.Tensor) -> str:
-    return hashlib.sha256(payload.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _fetch_in_child(ticket: CudaIpcTicket, device: str) -> str:
+    """Fetch the ticket in a fresh Python process on `device`; returns the payload's digest."""
+    child = subprocess.run([sys.executable, "-c", FETCH_IN_CHILD, device], input=pickle.dumps(ticket), cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    return child.stdout.decode().strip()
 
 
 def _shm_file(ticket: CudaIpcTicket) -> Path:
@@ -219,10 +228,7 @@ def test_cuda_ipc_round_trip_across_processes():
     cache = _cache(4, 16, torch.bfloat16, seed=0)
     sender = CudaIpcSender()
     payload, ticket = _offer(sender, cache, "a")
-    child = subprocess.run([sys.executable, "-c", FETCH_IN_CHILD], input=pickle.dumps(ticket), cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
-    assert child.returncode == 0, child.stderr.decode()[-2000:]
-    assert child.stdout.decode().strip() == _digest(payload)
+    assert _fetch_in_child(ticket, "cpu") == _digest(payload)
     assert _shm_file(ticket).exists() and not os.path.exists(ticket.claim)  # claimed, but still kept
     sender.release("a")
     assert not _shm_file(ticket).exists()  # the child unmapped it; the sender's release freed it
@@ -252,6 +258,26 @@ def test_cuda_ipc_release_and_close_free_the_kept_payloads():
         receiver.fetch(tickets["c"])
     payload, ticket = _offer(sender, cache, "d")  # a closed sender offers afresh
     assert torch.equal(receiver.fetch(ticket), payload)
+    sender.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_ipc_on_one_gpu_hands_over_and_frees_every_share():
+    cache = _cache(4, 16, torch.bfloat16, seed=0).cuda()
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cuda"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    payload, ticket = _offer(sender, cache, "a")
+    assert _fetch_in_child(ticket, "cuda") == _digest(payload)
+    _, unfetched = _offer(sender, cache, "b")
+    payload_c, local = _offer(sender, cache, "c")
+    assert torch.equal(_bits(receiver.fetch(local)), _bits(payload_c))  # same process: no IPC mapping
+    del payload, payload_c
+    sender.release("a")
+    sender.release("b")
+    sender.release("c")
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() == before  # fetched or not, no share stays held
     sender.close()
 
 
