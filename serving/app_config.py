@@ -43,7 +43,8 @@ class AppConfig(BaseModel):
                                            "prefill pool on top of the shared ones (JSON), e.g. a larger token budget.")
     decode_engine: dict[str, Any] = Field(default_factory=dict, description="Disaggregated: engine options of the "
                                           "decode pool on top of the shared ones (JSON), e.g. a larger max_num_seqs.")
-    kv_transport: str = Field("auto", description="Disaggregated: auto, object_store, gloo or nccl.")
+    kv_transport: str = Field("auto", description="Disaggregated: auto, object_store, gloo, nccl, "
+                              "cuda_ipc (one GPU) or cuda_ipc+nccl.")
     kv_lease_s: float = Field(30.0, gt=0, description="Disaggregated: a prefill replica frees unclaimed KV after this.")
     kv_fetch_delay_s: float = Field(0.0, ge=0, description="Fault injection for tests: decode replicas wait this "
                                     "long before fetching KV.")

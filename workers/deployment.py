@@ -65,9 +65,10 @@ class EngineWorker:
         self._aio: asyncio.AbstractEventLoop | None = None
         self.role, self.kv_lease_s, self.kv_fetch_delay_s = role, kv_lease_s, kv_fetch_delay_s
         self.layout = KVLayout.of(self.engine.runner.kv_cache, self.engine.model_path)
-        self.transport = resolve_transport(kv_transport, self.engine.runner.kv_cache.device)
+        device = self.engine.runner.kv_cache.device
+        self.transport = resolve_transport(kv_transport, device)
         self._sender = make_sender(self.transport) if role == "prefill" else None
-        self._receiver = make_receiver(self.transport) if role == "decode" else None
+        self._receiver = make_receiver(self.transport, device) if role == "decode" else None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._waiting_for_kv = 0
         self.loop = EngineLoop(self.engine, self._on_step)

@@ -1,19 +1,27 @@
-"""KV transfer between engine replicas: pack/unpack across different block tables, layout checks, and the
-object-store and gloo transports between two Ray actors."""
+"""KV transfer between engine replicas: pack/unpack across different block tables, layout checks, the
+object-store and gloo transports between two Ray actors, and the cuda_ipc transport's tickets on CPU
+(shared memory) within a process and across processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import os
+import pickle
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from workers.kv_transfer import (KVLayout, KVTransferError, KVTransferMeta, make_receiver, make_sender, pack_kv,
-                                 resolve_transport, unpack_kv)
+from workers.kv_transfer import (KVLayout, KVSender, KVTransferError, KVTransferMeta, make_receiver, make_sender,
+                                 pack_kv, resolve_transport, unpack_kv)
+from workers.kv_transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, CudaIpcTicket
+from workers.kv_transfer.ipc_share import Place
 from workers.kv_transfer.p2p import P2PReceiver, P2PSender
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
@@ -95,6 +103,26 @@ def test_resolve_transport():
         resolve_transport("nccl", torch.device("cpu"))
 
 
+def test_resolve_transport_picks_by_where_the_peer_is():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_transport("auto", cuda, nccl=True) == "cuda_ipc+nccl"  # peer unknown: the receiver picks
+    assert resolve_transport("auto", cuda, same_gpu=True, nccl=True) == "cuda_ipc"
+    assert resolve_transport("auto", cuda, same_gpu=False, nccl=True) == "nccl"
+    assert resolve_transport("auto", cuda, same_gpu=True, nccl=False) == "cuda_ipc"
+    assert resolve_transport("auto", cuda, nccl=False) == "object_store"
+    assert resolve_transport("auto", cuda, same_gpu=False, nccl=False) == "object_store"
+    assert resolve_transport("auto", cpu, same_gpu=True, nccl=True) == "object_store"
+    for explicit in ("object_store", "gloo", "nccl", "cuda_ipc", "cuda_ipc+nccl"):
+        assert resolve_transport(explicit, cuda, same_gpu=False, nccl=True) == explicit
+    assert resolve_transport("cuda_ipc", cpu) == "cuda_ipc"
+    with pytest.raises(ValueError, match="cuda_ipc\\+nccl KV transport needs CUDA tensors and NCCL"):
+        resolve_transport("cuda_ipc+nccl", cuda, nccl=False)
+    with pytest.raises(ValueError, match="cuda_ipc KV transport shares CUDA"):
+        resolve_transport("cuda_ipc", torch.device("meta"))
+    assert make_sender("cuda_ipc").transport == "cuda_ipc"
+    assert make_receiver("cuda_ipc", cpu).device == cpu
+
+
 def _transport_threads() -> dict[str, int]:
     """Live threads of the p2p transports: our Python ones by name, and the native ones of gloo and the
     TCPStore by their OS thread name (Linux only)."""
@@ -113,10 +141,11 @@ def _transport_threads() -> dict[str, int]:
     return counts
 
 
-def _offer(sender: P2PSender, cache: torch.Tensor, request_id: str):
+def _offer(sender: KVSender, cache: torch.Tensor, request_id: str):
+    """Offer a request's payload; returns a copy of it (the offered tensor may be the sender's) and the ticket."""
     payload = pack_kv(cache, [0, 1], 20)
-    return payload, sender.offer(request_id, payload, KVTransferMeta(request_id, 20, KVLayout.of(cache, "m"),
-                                                                     "gloo", payload.nbytes))
+    meta = KVTransferMeta(request_id, 20, KVLayout.of(cache, "m"), sender.transport, payload.nbytes)
+    return payload.clone(), sender.offer(request_id, payload, meta)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts native threads in /proc")
@@ -145,6 +174,146 @@ def test_gloo_close_stops_every_thread_and_drops_the_pairs():
     receiver.close()
     gc.collect()
     assert _transport_threads() == before
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FETCH_IN_CHILD = """
+import hashlib, pickle, sys
+import torch
+from workers.kv_transfer.cuda_ipc import CudaIpcReceiver
+payload = CudaIpcReceiver(torch.device(sys.argv[1])).fetch(pickle.load(sys.stdin.buffer))
+assert payload.device.type == sys.argv[1]
+print(hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
+"""
+
+
+def _digest(payload: torch.Tensor) -> str:
+    return hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _fetch_in_child(ticket: CudaIpcTicket, device: str) -> str:
+    """Fetch the ticket in a fresh Python process on `device`; returns the payload's digest."""
+    child = subprocess.run([sys.executable, "-c", FETCH_IN_CHILD, device], input=pickle.dumps(ticket), cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    return child.stdout.decode().strip()
+
+
+def _shm_file(ticket: CudaIpcTicket) -> Path:
+    return Path("/dev/shm") / ticket.handle.filename.decode().lstrip("/")
+
+
+def test_cuda_ipc_round_trip_in_one_process():
+    cache = _cache(4, 16, torch.bfloat16, seed=0)
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
+    payload, ticket = _offer(sender, cache, "a")
+    assert len(pickle.dumps(ticket)) < 2048
+    fetched = receiver.fetch(pickle.loads(pickle.dumps(ticket)))
+    assert torch.equal(_bits(fetched), _bits(payload))
+
+    with pytest.raises(KVTransferError, match="no KV payload of request 'a'.*already fetched"):
+        receiver.fetch(ticket)
+    payload, ticket = _offer(sender, cache, "b")
+    out = torch.empty_like(payload)
+    assert receiver.fetch(ticket, out=out) is out and torch.equal(_bits(out), _bits(payload))
+    with pytest.raises(ValueError, match="already has a KV payload on offer"):
+        _offer(sender, cache, "b")
+    assert sender.stats()["transfers"] == 2
+    assert receiver.stats()["transfers"] == 2 and receiver.stats()["errors"] == 1
+    sender.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for the shared-memory file in /dev/shm")
+def test_cuda_ipc_round_trip_across_processes():
+    cache = _cache(4, 16, torch.bfloat16, seed=0)
+    sender = CudaIpcSender()
+    payload, ticket = _offer(sender, cache, "a")
+    assert _fetch_in_child(ticket, "cpu") == _digest(payload)
+    assert _shm_file(ticket).exists() and not os.path.exists(ticket.claim)  # claimed, but still kept
+    sender.release("a")
+    assert not _shm_file(ticket).exists()  # the child unmapped it; the sender's release freed it
+    sender.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for the shared-memory file in /dev/shm")
+def test_cuda_ipc_release_and_close_free_the_kept_payloads():
+    cache = _cache(4, 16, torch.float32, seed=0)
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
+    tickets = {rid: _offer(sender, cache, rid)[1] for rid in ("a", "b", "c")}
+    assert all(_shm_file(t).exists() and os.path.exists(t.claim) for t in tickets.values())
+
+    sender.release("a")
+    sender.release("a")  # releasing twice, or an unknown request, is a no-op
+    sender.release("nope")
+    assert not _shm_file(tickets["a"]).exists() and not os.path.exists(tickets["a"].claim)
+    with pytest.raises(KVTransferError, match="no KV payload of request 'a'"):
+        receiver.fetch(tickets["a"])
+    receiver.fetch(tickets["b"])
+
+    sender.close()
+    assert not sender._offers
+    for ticket in tickets.values():
+        assert not _shm_file(ticket).exists() and not os.path.exists(ticket.claim)
+    with pytest.raises(KVTransferError, match="no KV payload of request 'c'"):
+        receiver.fetch(tickets["c"])
+    payload, ticket = _offer(sender, cache, "d")  # a closed sender offers afresh
+    assert torch.equal(receiver.fetch(ticket), payload)
+    sender.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_ipc_on_one_gpu_hands_over_and_frees_every_share():
+    cache = _cache(4, 16, torch.bfloat16, seed=0).cuda()
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cuda"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    payload, ticket = _offer(sender, cache, "a")
+    assert _fetch_in_child(ticket, "cuda") == _digest(payload)
+    _, unfetched = _offer(sender, cache, "b")
+    payload_c, local = _offer(sender, cache, "c")
+    assert torch.equal(_bits(receiver.fetch(local)), _bits(payload_c))  # same process: no IPC mapping
+    del payload, payload_c
+    sender.release("a")
+    sender.release("b")
+    sender.release("c")
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() == before  # fetched or not, no share stays held
+    sender.close()
+
+
+def test_cuda_ipc_refuses_a_ticket_from_another_device():
+    cache = _cache(4, 16, torch.float32, seed=0)
+    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
+    payload, ticket = _offer(sender, cache, "a")
+    other_gpu = dataclasses.replace(ticket, place=Place(ticket.place.host, "GPU-6f1c0e44-other"))
+    other_host = dataclasses.replace(ticket, place=Place("elsewhere/boot", "cpu"))
+    for foreign in (other_gpu, other_host):
+        with pytest.raises(KVTransferError, match="hands KV over only within one GPU"):
+            receiver.fetch(foreign)
+    assert torch.equal(receiver.fetch(ticket), payload)  # a refusal does not use the ticket up
+    with pytest.raises(ValueError, match="a cuda_ipc ticket cannot be fetched by a gloo receiver"):
+        P2PReceiver("gloo").fetch(ticket)
+    sender.close()
+
+
+def test_cuda_ipc_with_a_fallback_fetches_other_devices_tickets_point_to_point():
+    cache = _cache(4, 16, torch.float32, seed=0)
+    sender = CudaIpcSender(fallback=P2PSender("gloo", host="127.0.0.1", timeout_s=10))
+    receiver = CudaIpcReceiver(torch.device("cpu"), fallback=P2PReceiver("gloo", host="127.0.0.1"))
+    assert sender.transport == receiver.transport == "cuda_ipc+gloo"
+    payload, ticket = _offer(sender, cache, "a")
+    assert ticket.fallback.meta.transport == "gloo"
+    assert torch.equal(receiver.fetch(ticket, timeout_s=10), payload)  # same place: shared memory
+
+    payload, ticket = _offer(sender, cache, "b")
+    elsewhere = dataclasses.replace(ticket, place=Place(ticket.place.host, "GPU-6f1c0e44-other"))
+    assert torch.equal(receiver.fetch(elsewhere, timeout_s=10), payload)  # another place: gloo
+    assert os.path.exists(ticket.claim)  # the IPC share stays until released
+    sender.release("b")
+    sender.release("a")
+    assert not os.path.exists(ticket.claim) and not sender._fallback._payloads and not sender._offers
+    receiver.close()
+    sender.close()
 
 
 @pytest.fixture(scope="module")

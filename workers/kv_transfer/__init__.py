@@ -1,8 +1,9 @@
 """Moving one request's KV cache from a prefill engine replica to a decode engine replica.
 
 `layout` is the wire format (header and payload, `pack_kv`/`unpack_kv`), `base` the sender and receiver
-interfaces, `object_store` and `p2p` (gloo/nccl point to point) the transports, `factory` picks one by
-name. Submodules import each other, never this package; it only re-exports the names used elsewhere.
+interfaces, `object_store`, `p2p` (gloo/nccl point to point) and `cuda_ipc` (one GPU or host, over
+`ipc_share`) the transports, `factory` picks one by name. Submodules import each other, never this
+package; it only re-exports the names used elsewhere.
 """
 
 from workers.kv_transfer.base import KVReceiver, KVSender, KVTransferError, KVTransferTimeout

@@ -6,25 +6,41 @@ import torch
 import torch.distributed as dist
 
 from workers.kv_transfer.base import KVReceiver, KVSender
+from workers.kv_transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender
 from workers.kv_transfer.object_store import ObjectStoreReceiver, ObjectStoreSender
 from workers.kv_transfer.p2p import P2PReceiver, P2PSender
 
-TRANSPORTS = ("object_store", "gloo", "nccl")
+TRANSPORTS = ("object_store", "gloo", "nccl", "cuda_ipc", "cuda_ipc+nccl")
 
 
 def _unknown(transport: str) -> ValueError:
     return ValueError(f"unknown KV transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
 
 
-def resolve_transport(transport: str, device: torch.device) -> str:
-    """Pick the concrete transport: "auto" means NCCL for CUDA engines when available, else the object store."""
-    nccl_ok = device.type == "cuda" and dist.is_available() and dist.is_nccl_available()
+def resolve_transport(transport: str, device: torch.device, same_gpu: bool | None = None,
+                      nccl: bool | None = None) -> str:
+    """Pick the concrete transport for engines whose cache is on `device`. "auto": the object store off
+    CUDA; on CUDA, cuda_ipc when the other side is known to share the GPU (`same_gpu`), nccl when it is known
+    not to, and cuda_ipc+nccl when that is unknown (the receiver picks per ticket); the object store when
+    NCCL is missing and the GPU is not known to be shared. `nccl`: whether NCCL is usable (default: whether
+    this torch has it)."""
+    if nccl is None:
+        nccl = dist.is_available() and dist.is_nccl_available()
+    on_cuda = device.type == "cuda"
     if transport == "auto":
-        return "nccl" if nccl_ok else "object_store"
+        if not on_cuda:
+            return "object_store"
+        if same_gpu:
+            return "cuda_ipc"
+        if not nccl:
+            return "object_store"
+        return "nccl" if same_gpu is False else "cuda_ipc+nccl"
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {transport!r}; choose one of auto, {', '.join(TRANSPORTS)}")
-    if transport == "nccl" and not nccl_ok:
-        raise ValueError(f"the nccl KV transport needs CUDA tensors and NCCL, got device {device}")
+    if transport in ("nccl", "cuda_ipc+nccl") and not (on_cuda and nccl):
+        raise ValueError(f"the {transport} KV transport needs CUDA tensors and NCCL, got device {device}")
+    if transport == "cuda_ipc" and device.type not in ("cuda", "cpu"):
+        raise ValueError(f"the cuda_ipc KV transport shares CUDA (or CPU) tensors, got device {device}")
     return transport
 
 
@@ -34,13 +50,22 @@ def make_sender(transport: str) -> KVSender:
         return ObjectStoreSender()
     if transport in ("gloo", "nccl"):
         return P2PSender(transport)
+    if transport == "cuda_ipc":
+        return CudaIpcSender()
+    if transport == "cuda_ipc+nccl":
+        return CudaIpcSender(fallback=P2PSender("nccl"))
     raise _unknown(transport)
 
 
-def make_receiver(transport: str) -> KVReceiver:
-    """The decode-side end of a concrete transport (resolve "auto" first with `resolve_transport`)."""
+def make_receiver(transport: str, device: torch.device | None = None) -> KVReceiver:
+    """The decode-side end of a concrete transport (resolve "auto" first with `resolve_transport`); `device`
+    is where cuda_ipc receivers put payloads (default: the current CUDA device, else the CPU)."""
     if transport == "object_store":
         return ObjectStoreReceiver()
     if transport in ("gloo", "nccl"):
         return P2PReceiver(transport)
+    if transport == "cuda_ipc":
+        return CudaIpcReceiver(device)
+    if transport == "cuda_ipc+nccl":
+        return CudaIpcReceiver(device, fallback=P2PReceiver("nccl"))
     raise _unknown(transport)
