@@ -144,7 +144,7 @@ class OpenAIIngress:
         except EngineError as e:
             for s in streams:
                 s.close()
-            raise OpenAIError(e.status, e.message, e.type) from None
+            raise OpenAIError.from_engine(e) from None
         except BaseException:
             for s in streams:
                 s.close()

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from serving.app_config import AppConfig, parse_app_args
-from serving.errors import from_validation_error
+from serving.engine_client import EngineError
+from serving.errors import OpenAIError, from_validation_error
 from serving.metrics import merge_expositions
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -65,6 +66,15 @@ def test_chat_rules():
     err = error_for(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                             "stream_options": {"include_usage": True}})
     assert "stream" in err["message"]
+
+
+def test_busy_engine_error_becomes_429_with_retry_after():
+    busy = OpenAIError.from_engine(EngineError("the server is busy", 429, "server_overloaded", retry_after=1))
+    response = busy.response()
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"] == {"message": "the server is busy", "type": "server_overloaded",
+                                                  "param": None, "code": None}
+    assert "retry-after" not in OpenAIError(400, "bad").response().headers
 
 
 def test_app_args_from_strings():
