@@ -27,9 +27,16 @@ class AppConfig(BaseModel):
     downscale_delay_s: float = Field(300.0, ge=0, description="Autoscaling: how long load must stay low before removing one.")
     look_back_period_s: float = Field(10.0, gt=0, description="Autoscaling: window over which load is averaged.")
     metrics_interval_s: float = Field(1.0, gt=0, description="Autoscaling: how often replicas report their load.")
-    max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: requests waiting beyond this get HTTP 429.")
+    max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: most sequences that may wait beyond "
+                                             "those that can start now (free slots with KV room); a request that would "
+                                             "exceed it gets HTTP 429 with Retry-After. 0 admits only what can start "
+                                             "at once (the rule: docs/reliability.md).")
     max_ongoing_requests: int = Field(1024, ge=1, description="Per replica: Serve's cap on in-flight requests.")
     max_request_body_bytes: int = Field(8 << 20, ge=1, description="Larger request bodies get HTTP 413.")
+    max_prompts_per_request: int = Field(1024, ge=1, description="Most prompts in one /v1/completions `prompt` "
+                                         "list; more get HTTP 400 naming prompt.")
+    max_sequences_per_request: int = Field(1024, ge=1, description="Most sequences one request starts (prompts x n); "
+                                           "more get HTTP 400 naming n.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
     disaggregate: bool = Field(False, description="Run separate prefill and decode pools that hand off KV blocks.")
     prefill_replicas: int = Field(1, ge=1, description="Disaggregated: prefill replicas (autoscaling lower bound).")
