@@ -93,6 +93,15 @@ def test_app_args_from_strings():
         parse_app_args({"scheduling_policy": "random"})
 
 
+def test_replica_call_cap_leaves_room_for_every_admitted_sequence():
+    assert AppConfig().worker_deployment_options()["max_ongoing_requests"] == 256 + 1024 + 64
+    cfg = parse_app_args({"max_num_seqs": "8", "max_waiting_requests": "0"})
+    assert cfg.worker_deployment_options()["max_ongoing_requests"] == 8 + 0 + 64
+    assert AppConfig(max_ongoing_requests=5).worker_deployment_options()["max_ongoing_requests"] == 5
+    pools = AppConfig(disaggregate=True, decode_engine={"max_num_seqs": 512})
+    assert pools.pool_deployment_options("decode")["max_ongoing_requests"] == 512 + 1024 + 64
+
+
 def test_merge_expositions_keeps_one_header_per_family():
     from prometheus_client import CollectorRegistry, Counter, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
