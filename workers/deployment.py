@@ -77,16 +77,16 @@ class EngineWorker:
     async def generate(self, subscriber_id: str, request: GenerateRequest):
         self._aio = asyncio.get_running_loop()
         rid = request.request_id
-        shed = self._admit(request)
-        if shed is not None:
-            yield shed
-            return
         if rid in self._in_flight:
             yield Rejected(400, f"request id {rid!r} is already in use")
             return
         if request.hold_kv and self.role != "prefill":
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
                                 "holds KV for a hand-off (hold_kv)")
+            return
+        shed = self._admit(request)
+        if shed is not None:
+            yield shed
             return
         kv: KVImport | None = None
         if request.kv_ticket is not None:
