@@ -123,6 +123,17 @@ class OpenAIIngress:
                                    f"{max_tokens:,} for the completion)", param="max_tokens",
                               code="context_length_exceeded")
 
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        limit = self.config.max_prompts_per_request
+        if num_prompts > limit:
+            raise OpenAIError(400, f"prompt is a list of {num_prompts:,} prompts; at most {limit:,} are allowed per "
+                                   "request (max_prompts_per_request); send them in several requests", param="prompt")
+        limit = self.config.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise OpenAIError(400, f"{num_prompts:,} prompt(s) with n={n} make {num_prompts * n:,} sequences; at most "
+                                   f"{limit:,} are allowed per request (max_sequences_per_request); lower n or send "
+                                   "fewer prompts", param="n")
+
     @staticmethod
     def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
@@ -144,7 +155,7 @@ class OpenAIIngress:
         except EngineError as e:
             for s in streams:
                 s.close()
-            raise OpenAIError(e.status, e.message, e.type) from None
+            raise OpenAIError.from_engine(e) from None
         except BaseException:
             for s in streams:
                 s.close()
@@ -181,7 +192,7 @@ class OpenAIIngress:
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
         info = await self._model_info()
-        prompts = self._completion_prompts(body.prompt)
+        prompts = self._completion_prompts(body.prompt, body.n)
         for ids in prompts:
             self._check_prompt(ids, body.max_tokens, info)
         params = self._sampling_params(body, body.max_tokens, body.logprobs)
@@ -196,6 +207,7 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
+        self._check_fan_out(1, body.n)
         info = await self._model_info()
         conversation = [m.model_dump(exclude_none=True) for m in body.messages]
         for m in conversation:
@@ -216,7 +228,8 @@ class OpenAIIngress:
             return sse_response(view.stream(streams, include_usage))
         return JSONResponse((await view.collect(streams)).model_dump())
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
+        """The prompts' token ids, once their number is checked (before any is tokenized)."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -225,6 +238,7 @@ class OpenAIIngress:
             items = list(prompt)
         if not items:
             raise OpenAIError(400, "prompt is empty", param="prompt")
+        self._check_fan_out(len(items), n)
         return [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in items]
 
 

@@ -30,9 +30,19 @@ class AppConfig(BaseModel):
     num_gpus: float | None = Field(None, ge=0, description="GPUs each engine replica asks Ray for (fractions let a "
                                    "prefill and a decode replica share one GPU); default: 1 when the engine's device "
                                    "is cuda, else 0.")
-    max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: requests waiting beyond this get HTTP 429.")
-    max_ongoing_requests: int = Field(1024, ge=1, description="Per replica: Serve's cap on in-flight requests.")
+    max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: most sequences that may wait beyond "
+                                             "those that can start now (free slots with KV room); a request that would "
+                                             "exceed it gets HTTP 429 with Retry-After. 0 admits only what can start "
+                                             "at once (the rule: docs/reliability.md).")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Per replica: Serve's cap on open calls (a request holds one until it ends); calls "
+                                "beyond it wait, unbounded, in Serve's router; default: max_num_seqs + "
+                                "max_waiting_requests (1024 if unlimited) + 64, so a busy replica answers 429 first.")
     max_request_body_bytes: int = Field(8 << 20, ge=1, description="Larger request bodies get HTTP 413.")
+    max_prompts_per_request: int = Field(1024, ge=1, description="Most prompts in one /v1/completions `prompt` "
+                                         "list; more get HTTP 400 naming prompt.")
+    max_sequences_per_request: int = Field(1024, ge=1, description="Most sequences one request starts (prompts x n); "
+                                           "more get HTTP 400 naming n.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
     disaggregate: bool = Field(False, description="Run separate prefill and decode pools that hand off KV blocks.")
     prefill_replicas: int = Field(1, ge=1, description="Disaggregated: prefill replicas (autoscaling lower bound).")
@@ -84,6 +94,14 @@ class AppConfig(BaseModel):
                                          "max_replicas": max(low, high), "initial_replicas": None})
         return scaled.worker_deployment_options(self.pool_engine(pool))
 
+    def replica_max_ongoing_requests(self, engine: EngineConfig) -> int:
+        """Serve's cap on open calls per engine replica: room for every sequence the replica admits (each
+        request is one open `generate` call), plus headroom for subscriber streams and metric scrapes."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        waiting = 1024 if self.max_waiting_requests is None else self.max_waiting_requests
+        return engine.max_num_seqs + waiting + _CALL_HEADROOM
+
     @property
     def autoscaling(self) -> bool:
         return self.num_replicas is None and self.max_replicas > self.min_replicas
@@ -101,7 +119,7 @@ class AppConfig(BaseModel):
             # kernel, oneDNN) reads it once at start, so give it the engine's thread count instead.
             "ray_actor_options": {"num_cpus": 0, "num_gpus": gpus,
                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
-            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_ongoing_requests": self.replica_max_ongoing_requests(engine),
             "request_router_config": RequestRouterConfig(
                 request_router_class=KVRelayRequestRouter,
                 request_routing_stats_period_s=self.routing_stats_period_s,
@@ -120,6 +138,7 @@ class AppConfig(BaseModel):
 
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_CALL_HEADROOM = 64  # open calls beyond generate: one subscribe stream per ingress replica, scrapes, KV releases
 
 
 def parse_app_args(args: dict[str, Any]) -> AppConfig:

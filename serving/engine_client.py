@@ -35,11 +35,13 @@ def call(method, *args, **kwargs):
 
 
 class EngineError(Exception):
-    """A request could not be served; `status` is the HTTP status to answer with."""
+    """A request could not be served; `status` is the HTTP status to answer with, `retry_after` the
+    seconds a busy replica asks the client to wait before retrying."""
 
-    def __init__(self, message: str, status: int = 503, type: str = "service_unavailable") -> None:
+    def __init__(self, message: str, status: int = 503, type: str = "service_unavailable",
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.type = message, status, type
+        self.message, self.status, self.type, self.retry_after = message, status, type, retry_after
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class EngineClient:
         if not isinstance(first, Accepted):
             self._queues.pop(rid, None)
             if isinstance(first, Rejected):
-                raise EngineError(first.message, first.status, first.type)
+                raise EngineError(first.message, first.status, first.type, first.retry_after)
             raise EngineError(f"unexpected first message from the engine replica: {first!r}", 500, "internal_error")
         sub = self._subscribe(first.replica_id)
         sub.requests.add(rid)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.engine_client import EngineError
 from serving.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -21,11 +22,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 
 class OpenAIError(Exception):
+    """An HTTP error with an OpenAI-style body; `retry_after` (seconds) becomes a Retry-After header."""
+
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.retry_after = retry_after
+
+    @classmethod
+    def from_engine(cls, e: EngineError) -> OpenAIError:
+        return cls(e.status, e.message, e.type, retry_after=e.retry_after)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
@@ -34,7 +42,8 @@ class OpenAIError(Exception):
         return f"data: {self.body().model_dump_json()}\n\n"
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
 
 
 def from_validation_error(e: ValidationError) -> OpenAIError:

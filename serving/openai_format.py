@@ -98,7 +98,7 @@ class ResponseView:
         try:
             await asyncio.gather(*(drain(p, s) for p, s in enumerate(streams)))
         except EngineError as e:
-            raise OpenAIError(e.status, e.message, e.type) from None
+            raise OpenAIError.from_engine(e) from None
         finally:
             for s in streams:
                 s.close()
@@ -136,7 +136,7 @@ class ResponseView:
                 yield _event(chunk_cls(id=self.request_id, created=self.created, model=self.model, choices=[],
                                        usage=self.usage()))
         except EngineError as e:
-            yield OpenAIError(e.status, e.message, e.type).sse()
+            yield OpenAIError.from_engine(e).sse()
         finally:
             for s in streams:
                 s.close()

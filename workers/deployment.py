@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from ray import serve
 
+from workers.admission import RETRY_AFTER_S, AdmissionPolicy, ReplicaLoad, ShedReason
 from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats, KVImport
 from workers.engine_loop import EngineLoop
@@ -51,13 +52,11 @@ class EngineWorker:
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
         if isinstance(engine_config, dict) or engine_config is None:
             engine_config = EngineConfig(**(engine_config or {}))
-        if max_waiting_requests is not None and max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
-        self.max_waiting_requests = max_waiting_requests
+        self.admission = AdmissionPolicy(max_waiting_requests, engine_config.max_num_seqs)
         self.engine = Engine(engine_config)
         self.metrics = EngineMetrics(self.replica_id)
         self._subscribers: dict[str, _Subscriber] = {}
@@ -79,18 +78,16 @@ class EngineWorker:
     async def generate(self, subscriber_id: str, request: GenerateRequest):
         self._aio = asyncio.get_running_loop()
         rid = request.request_id
-        waiting = self.loop.num_waiting
-        if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-            yield Rejected(429, f"the server is busy: {waiting} requests are already waiting on replica "
-                                f"{self.replica_id} (max_waiting_requests={self.max_waiting_requests}); retry later",
-                           "server_overloaded")
-            return
         if rid in self._in_flight:
             yield Rejected(400, f"request id {rid!r} is already in use")
             return
         if request.hold_kv and self.role != "prefill":
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
                                 "holds KV for a hand-off (hold_kv)")
+            return
+        shed = self._admit(request)
+        if shed is not None:
+            yield shed
             return
         kv: KVImport | None = None
         if request.kv_ticket is not None:
@@ -109,6 +106,31 @@ class EngineWorker:
             if self._in_flight.pop(rid, None) is not None:  # still running: the caller went away
                 self.loop.abort(rid)
                 self.metrics.forget(rid)
+
+    def _admit(self, request: GenerateRequest) -> Rejected | None:
+        """None to queue the request, else its refusal (the rule is in `workers/admission.py`)."""
+        load = self.load()
+        reason = self.admission.check(load, request.params.n, len(request.prompt_token_ids))
+        if reason is None:
+            return None
+        self.metrics.observe_rejected(reason)
+        why = (f"{load.num_running} sequences running (max_num_seqs={self.admission.max_num_seqs}) and "
+               f"{load.num_waiting} waiting (max_waiting_requests={self.admission.max_waiting_requests})")
+        if reason is ShedReason.KV_CACHE_FULL:
+            why += (f", and KV cache room for {load.num_free_kv_tokens:,} tokens, short of the "
+                    f"{load.num_pending_tokens:,} backlog tokens plus this prompt")
+        return Rejected(429, f"the server is busy: replica {self.replica_id} has {why}; retry after "
+                             f"{RETRY_AFTER_S} s", "server_overloaded", RETRY_AFTER_S)
+
+    def load(self) -> ReplicaLoad:
+        """This replica's load as admission reads it: the engine's last step plus what arrived since."""
+        stats, arrived = self.loop.load()
+        block_size, num_blocks = self.engine.config.block_size, self.engine.num_kv_blocks
+        free_blocks = round((1.0 - stats.kv_cache_usage) * num_blocks)
+        return ReplicaLoad(num_running=stats.num_running,
+                           num_waiting=stats.num_waiting + arrived.num_seqs + self._waiting_for_kv,
+                           num_pending_tokens=stats.num_pending_tokens + arrived.num_prompt_tokens,
+                           num_free_kv_tokens=free_blocks * block_size, kv_capacity_tokens=num_blocks * block_size)
 
     async def _fetch_kv(self, request: GenerateRequest) -> KVImport | Rejected:
         """Decode pool: pull the prompt's KV named by the request's ticket (off the event loop)."""

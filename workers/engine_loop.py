@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,21 @@ from workers.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 Publish = Callable[[list[RequestOutput], dict[str, str], EngineStats, dict[str, torch.Tensor]], None]
+
+
+@dataclass(slots=True)
+class Arrivals:
+    """Requests handed to the loop that the last published `EngineStats` do not count yet."""
+
+    num_seqs: int = 0
+    num_prompt_tokens: int = 0
+
+    def add(self, request: GenerateRequest) -> None:
+        self.num_seqs += request.params.n
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+
+    def __add__(self, other: Arrivals) -> Arrivals:
+        return Arrivals(self.num_seqs + other.num_seqs, self.num_prompt_tokens + other.num_prompt_tokens)
 
 
 class EngineLoop:
@@ -35,6 +51,8 @@ class EngineLoop:
         self._stopped = False
         self.stats: EngineStats = engine.get_stats()
         self._queued = 0  # requests in the inbox, not yet in the engine
+        self._arrived = Arrivals()  # in the inbox
+        self._draining = Arrivals()  # taken from the inbox, not yet in `stats`
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
 
     def start(self) -> None:
@@ -54,10 +72,17 @@ class EngineLoop:
         deque's length is safe to read from another thread)."""
         return self._queued + self.engine.num_waiting
 
+    def load(self) -> tuple[EngineStats, Arrivals]:
+        """The engine's last published stats and the requests added since, read together: every request
+        is counted once, in one or the other."""
+        with self._lock:
+            return self.stats, self._arrived + self._draining
+
     def add(self, request: GenerateRequest, kv_import: KVImport | None = None) -> None:
         with self._lock:
             self._adds.append((request, kv_import))
             self._queued += 1
+            self._arrived.add(request)
         self._wake.set()
 
     def release_kv(self, request_id: str) -> None:
@@ -76,6 +101,7 @@ class EngineLoop:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             releases, self._releases = self._releases, []
+            self._draining, self._arrived = self._draining + self._arrived, Arrivals()
         errors: dict[str, str] = {}
         for rid in releases:
             self.engine.release_kv(rid)
@@ -113,13 +139,18 @@ class EngineLoop:
                     errors.update(self.engine.failed)  # requests that broke the step, aborted on their own
             exports = {o.request_id: self.engine.export_kv(o.request_id) for o in outputs
                        if o.finished and self.engine.holds_kv(o.request_id)}
-            self.stats = self.engine.get_stats()
+            self._set_stats(self.engine.get_stats())
             if outputs or errors:
                 self._safe_publish(outputs, errors, exports)
             elif not self.engine.has_unfinished_requests():
                 self._safe_publish([], {}, {})
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
+
+    def _set_stats(self, stats: EngineStats) -> None:
+        with self._lock:
+            self.stats = stats
+            self._draining = Arrivals()
 
     def _safe_publish(self, outputs: list[RequestOutput], errors: dict[str, str],
                       exports: dict[str, torch.Tensor]) -> None:

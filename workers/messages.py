@@ -31,11 +31,13 @@ class Accepted:
 
 @dataclass(slots=True)
 class Rejected:
-    """First (and only) message of a generate stream the replica refused, with the HTTP status to answer."""
+    """First (and only) message of a generate stream the replica refused, with the HTTP status to answer
+    and, for a busy replica, the seconds after which to retry (HTTP Retry-After)."""
 
     status: int
     message: str
     type: str = "invalid_request_error"
+    retry_after: int | None = None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from workers.admission import ShedReason
 from workers.engine import EngineStats
 from workers.outputs import RequestOutput
 
@@ -44,6 +45,11 @@ class EngineMetrics:
         self._success = Counter("kvrelay:request_success", "Finished sequences by finish reason (stop, length, abort; handoff: a prefill replica passed it to decode).",
                                 ["replica", "finished_reason"], registry=r)
         self._replica = replica
+        self._rejected = Counter("kvrelay:num_requests_rejected", "Requests shed with HTTP 429 by reason: queue_full "
+                                 "(no free sequence slot and max_waiting_requests reached), kv_cache_full (a free "
+                                 "slot, but no KV cache room for the backlog).", ["replica", "reason"], registry=r)
+        for reason in ShedReason:
+            self._rejected.labels(replica, reason.value)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the replica to first token.", _LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between successive tokens of a sequence.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the replica to the last token.", _LATENCY_BUCKETS)
@@ -104,6 +110,9 @@ class EngineMetrics:
         self._kv_transfers.labels(*labels).inc()
         self._kv_bytes.labels(*labels).inc(nbytes)
         self._kv_seconds.labels(*labels).observe(seconds)
+
+    def observe_rejected(self, reason: ShedReason) -> None:
+        self._rejected.labels(self._replica, reason.value).inc()
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state of an aborted request."""

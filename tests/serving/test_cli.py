@@ -118,7 +118,7 @@ def test_help_shows_every_default(command, monkeypatch, capsys):
         assert "default" in block, block
     if command == "serve":
         assert blocks["--max-waiting-requests"].endswith("(default: 1024)")
-        assert blocks["--max-ongoing-requests"].endswith("(default: 1024)")
+        assert "default: max_num_seqs + max_waiting_requests" in blocks["--max-ongoing-requests"]
         assert blocks["--max-request-body-bytes"].endswith(f"(default: {8 << 20})")
 
 

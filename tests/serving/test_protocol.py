@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from serving.app_config import AppConfig, parse_app_args
-from serving.errors import from_validation_error
+from serving.engine_client import EngineError
+from serving.errors import OpenAIError, from_validation_error
 from serving.metrics import merge_expositions
 from serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -104,6 +105,15 @@ def test_chat_rules():
     assert "stream" in err["message"]
 
 
+def test_busy_engine_error_becomes_429_with_retry_after():
+    busy = OpenAIError.from_engine(EngineError("the server is busy", 429, "server_overloaded", retry_after=1))
+    response = busy.response()
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert json.loads(response.body)["error"] == {"message": "the server is busy", "type": "server_overloaded",
+                                                  "param": None, "code": None}
+    assert "retry-after" not in OpenAIError(400, "bad").response().headers
+
+
 def test_app_args_from_strings():
     cfg = parse_app_args({"max_num_seqs": "64", "enable_prefix_caching": "false", "max_replicas": "3",
                           "api_key": "k", "num_kv_blocks": "none"})
@@ -118,6 +128,15 @@ def test_app_args_from_strings():
         parse_app_args({"min_replicas": "3", "max_replicas": "2"})
     with pytest.raises(ValueError, match="scheduling_policy"):
         parse_app_args({"scheduling_policy": "random"})
+
+
+def test_replica_call_cap_leaves_room_for_every_admitted_sequence():
+    assert AppConfig().worker_deployment_options()["max_ongoing_requests"] == 256 + 1024 + 64
+    cfg = parse_app_args({"max_num_seqs": "8", "max_waiting_requests": "0"})
+    assert cfg.worker_deployment_options()["max_ongoing_requests"] == 8 + 0 + 64
+    assert AppConfig(max_ongoing_requests=5).worker_deployment_options()["max_ongoing_requests"] == 5
+    pools = AppConfig(disaggregate=True, decode_engine={"max_num_seqs": 512})
+    assert pools.pool_deployment_options("decode")["max_ongoing_requests"] == 512 + 1024 + 64
 
 
 def test_merge_expositions_keeps_one_header_per_family():

@@ -17,15 +17,28 @@ from ray import serve
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, float]:
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, float, str | None]:
     start = time.monotonic()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
-        return resp.status, await resp.json(), time.monotonic() - start
+        return resp.status, await resp.json(), time.monotonic() - start, resp.headers.get("Retry-After")
 
 
-def test_queue_full_refuses_fast(deploy_app):
-    url = deploy_app("queue", max_waiting_requests=4, max_num_seqs=4)
+@pytest.fixture(scope="module")
+def queue_url(deploy_app):
+    """A replica that admits only what can start at once: 4 sequences, none waiting."""
+    return deploy_app("queue", max_waiting_requests=0, max_num_seqs=4)
+
+
+def test_zero_waiting_serves_a_request_on_an_idle_server(queue_url):
+    status, body = http("POST", f"{queue_url}/v1/completions", {"model": MODEL, "prompt": "One two three four five six",
+                                                                "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+def test_queue_full_refuses_fast(queue_url):
+    url = queue_url
     body = {"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 32, "ignore_eos": True, "temperature": 0}
+    rejected_before = metric_sum(scrape(url), "kvrelay:num_requests_rejected_total", reason="queue_full")
 
     async def burst():
         async with aiohttp.ClientSession() as session:
@@ -33,15 +46,25 @@ def test_queue_full_refuses_fast(deploy_app):
 
     results = asyncio.run(burst())
     ok = [r for r in results if r[0] == 200]
-    refused = [r for r in results if r[0] in (429, 503)]
+    refused = [r for r in results if r[0] == 429]
     assert len(ok) + len(refused) == 64
     assert len(ok) >= 4 and len(refused) >= 32
     assert all(r[1]["usage"]["completion_tokens"] == 32 for r in ok)
-    assert all(r[1]["error"]["type"] and "waiting" in r[1]["error"]["message"] for r in refused)
+    assert all(r[1]["error"]["type"] == "server_overloaded" and "waiting" in r[1]["error"]["message"] for r in refused)
+    assert all(r[3] == "1" for r in refused)  # Retry-After, in seconds
     slowest_ok = max(r[2] for r in ok)
     assert max(r[2] for r in refused) < slowest_ok  # refusals do not wait for the work in front of them
     m = scrape(url)
     assert metric_sum(m, "kvrelay:kv_cache_usage_perc") == 0
+    assert metric_sum(m, "kvrelay:num_requests_rejected_total", reason="queue_full") - rejected_before == len(refused)
+
+
+def test_prompts_and_sequences_per_request_are_capped(queue_url):
+    status, body = http("POST", f"{queue_url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 1025, "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "prompt" and "1,025" in body["error"]["message"]
+    status, body = http("POST", f"{queue_url}/v1/completions", {"model": MODEL, "prompt": ["Hi"] * 9, "n": 128,
+                                                                "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "n" and "1,152 sequences" in body["error"]["message"]
 
 
 def test_numbers_the_engine_cannot_hold_get_400_and_spare_a_running_stream(deploy_app):
