@@ -208,3 +208,21 @@ def test_engine_replicas_are_found_by_process_title(tmp_path: Path) -> None:
     ticks = os.sysconf("SC_CLK_TCK")
     assert cpu_seconds([11, 12], proc=tmp_path) == pytest.approx(25 / ticks) and cpu_seconds([99], proc=tmp_path) is None
     assert serve_app_of("http://h:1/soak") == "soak" and serve_app_of("http://h:1/v1") is None and serve_app_of("http://h:1") is None
+
+
+def test_a_short_soak_against_a_real_server_loses_nothing_and_leaves_the_engine_idle(
+        deploy_app, tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+    url = deploy_app("soak-test", model=tiny_model_dir, dtype="float32")
+    rc = bench.main(["soak", "--url", url, "--tokenizer", tiny_model_dir, "--num-requests", "60", "--concurrency", "8",
+                     "--warmup", "4", "--disconnect-fraction", "0.1", "--rss-interval", "1", "--out", str(tmp_path),
+                     "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (path,) = tmp_path.glob("soak-*.json")
+    (run,) = json.loads(path.read_text())["runs"]
+    m, extra = run["metrics"], run["extra"]
+    assert (m["sent"], m["lost"], m["errored"]) == (60, 0, 0), m["errors"]
+    assert m["disconnected"] >= 1 and m["completed"] + m["disconnected"] == 60
+    assert extra["server_end"]["kv_usage"] == 0 and extra["server_end"]["running"] == extra["server_end"]["waiting"] == 0
+    assert len(extra["rss"]["pids"]) == 1 and extra["rss"]["growth"] is not None
+    assert "[PASS] no request lost" in out and "NOT MEASURED" not in out
