@@ -8,6 +8,7 @@ our engine offline, the Hugging Face baselines, or all of them side by side in o
     kvrelay bench poisson --systems engine,server --qps 1,4,16 --plot
     kvrelay bench policies --qps 2 --plot                      # scheduling policies on poisson
     kvrelay bench random --url URL --input-len 256 --output-len 128 --request-rate 2 --burstiness 0.5
+    kvrelay bench soak --concurrency 16                        # 10,000 mixed requests, a fresh server
     kvrelay bench compare results/a.json results/b.json
     kvrelay bench train-predictor                              # the `predicted` policy's length model
 
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 from loadtest import runners
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
+from loadtest.soak_mix import SoakMix
 from loadtest.workloads import BURST_CAPS
 from workers.request_queue import SchedulingPolicy
 
@@ -146,6 +148,46 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
 
+    p = sub.add_parser("soak", help="10,000 small mixed requests at a fixed concurrency; nothing lost, nothing left "
+                       "behind, no memory growth")
+    p.add_argument("--url", help="base URL of a running server (default: a fresh `kvrelay serve` on a private local "
+                   "Ray cluster)")
+    p.add_argument("--model", default=None, help="model folder for the local server; served model name with --url "
+                   "(default: the engine's default model / the server's first model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for building prompts (default: --model when it "
+                   "is a folder, else the engine's default model)")
+    p.add_argument("--dtype", default="bfloat16", help="weights dtype of the local server")
+    p.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="extra engine option for the local server (repeatable), e.g. max_num_seqs=64")
+    p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token for --url (default: $KVRELAY_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument("--num-requests", type=int, default=10_000, help="measured requests (default: 10000, about 20 "
+                   "minutes on 2 cores with the default model)")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight (default: 16)")
+    p.add_argument("--warmup", type=int, default=500, help="untimed requests of the same mix first; the replica's "
+                   "memory after them is the baseline (default: 500; the replica's RSS grows over the first few "
+                   "hundred requests, then settles)")
+    p.add_argument("--max-prompt-len", type=int, default=SoakMix.max_prompt_len,
+                   help=f"prompts are {SoakMix.min_prompt_len}..N tokens (default: {SoakMix.max_prompt_len})")
+    p.add_argument("--max-tokens", type=int, default=SoakMix.max_max_tokens,
+                   help=f"max_tokens is {SoakMix.min_max_tokens}..N (default: {SoakMix.max_max_tokens})")
+    p.add_argument("--disconnect-fraction", type=float, default=SoakMix.disconnect_share,
+                   help=f"share of requests the client closes mid-stream (default: {SoakMix.disconnect_share})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds without a whole answer before a request counts as lost (default: 120)")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="seconds to wait for the engine to go idle after the last answer (default: 60)")
+    p.add_argument("--max-rss-growth", type=float, default=10.0,
+                   help="percent the engine replica's RSS may grow from the warmed-up baseline (default: 10)")
+    p.add_argument("--rss-interval", type=float, default=10.0, help="seconds between RSS samples (default: 10)")
+    p.add_argument("--serve-app", default=None, help="with --url: the Serve app whose engine replicas to watch "
+                   "(default: the URL's first path segment, else the only app on this host)")
+    p.add_argument("--replica-pid", type=int, action="append", default=[], metavar="PID",
+                   help="with --url: watch these engine replica processes instead (repeatable)")
+    p.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON result")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
     p = sub.add_parser("compare", help="print result files side by side, with ratios")
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--baseline", default=None, help="system or family to take ratios against (default: first run)")
@@ -170,7 +212,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
     "long-prompt": runners.run_long_prompt, "policies": runners.run_policies,
     "train-predictor": runners.run_train_predictor, "overhead": runners.run_overhead,
-    "compare": runners.run_compare, "plot": runners.run_plot,
+    "compare": runners.run_compare, "plot": runners.run_plot, "soak": runners.run_soak,
 }
 
 

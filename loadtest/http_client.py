@@ -113,7 +113,7 @@ def _payload(model: str, req: BenchRequest, stream: bool) -> dict[str, Any]:
     return body
 
 
-def _error_message(body: Any) -> str | None:
+def error_message(body: Any) -> str | None:
     """The message of an OpenAI-style error object (``{"error": ...}`` or ``{"object": "error"}``)."""
     if not isinstance(body, dict):
         return None
@@ -150,7 +150,7 @@ def _apply_usage(result: RequestResult, usage: dict[str, Any] | None) -> str | N
 async def _http_error(resp: aiohttp.ClientResponse) -> str:
     text = await resp.text(errors="replace")
     try:
-        message = _error_message(json.loads(text))
+        message = error_message(json.loads(text))
     except ValueError:
         message = None
     return f"HTTP {resp.status}: {message or text.strip()[:200] or resp.reason}"
@@ -176,7 +176,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult) -> s
             event = json.loads(data)
         except ValueError:
             return f"invalid JSON in SSE event: {data[:100]!r}"
-        message = _error_message(event)
+        message = error_message(event)
         if message:
             return f"server error in stream: {message}"
         if _has_token(event):
@@ -207,7 +207,7 @@ async def _read_body(resp: aiohttp.ClientResponse, result: RequestResult) -> str
         body = json.loads(raw)
     except ValueError:
         return f"invalid JSON response: {raw[:100]!r}"
-    message = _error_message(body)
+    message = error_message(body)
     if message:
         return f"server error: {message}"
     if _has_token(body):

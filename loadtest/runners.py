@@ -429,6 +429,16 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_soak(args: argparse.Namespace) -> int:
+    from loadtest import soak
+
+    soak.validate(args)
+    tokenizer = _load_tokenizer(args)
+    if args.url and not args.model:
+        args.model = served_model(args.url, args.api_key)
+    return soak.run_soak(args, tokenizer)
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
