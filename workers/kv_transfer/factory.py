@@ -24,9 +24,9 @@ def resolve_transport(transport: str, device: torch.device, same_gpu: bool | Non
     not to, and cuda_ipc+nccl when that is unknown (the receiver picks per ticket); the object store when
     NCCL is missing and the GPU is not known to be shared. `nccl`: whether NCCL is usable (default: whether
     this torch has it)."""
-    if nccl is None:
-        nccl = dist.is_available() and dist.is_nccl_available()
     on_cuda = device.type == "cuda"
+    if nccl is None:
+        nccl = on_cuda and dist.is_available() and dist.is_nccl_available()
     if transport == "auto":
         if not on_cuda:
             return "object_store"
