@@ -84,7 +84,7 @@ def test_numbers_the_engine_cannot_hold_get_400_and_spare_a_running_stream(deplo
                 return resp.status, refused, [e.decode().strip() for e in events if e.strip()]
 
     status, refused, events = asyncio.run(run())
-    for (field, _), (code, body, _) in zip(bad, refused):
+    for (field, _), (code, body, *_) in zip(bad, refused):
         assert code == 400 and body["error"]["param"] == field and field in body["error"]["message"], body
     assert status == 200 and events[-1] == "data: [DONE]" and not any('"error":' in e for e in events), events[-3:]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
