@@ -32,6 +32,7 @@ class EngineLoop:
         self._aborts: list[str] = []
         self._releases: list[str] = []
         self._stopped = False
+        self.consecutive_failed_steps = 0  # read by the replica's health check
         self.stats: EngineStats = engine.get_stats()
         self._queued = 0  # requests in the inbox, not yet in the engine
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
@@ -100,7 +101,9 @@ class EngineLoop:
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
+                    self.consecutive_failed_steps = 0
                 except Exception as e:  # a bug or an OOM: fail what is in flight, keep the replica alive
+                    self.consecutive_failed_steps += 1
                     logger.exception("engine step failed")
                     ids = self.engine.unfinished_request_ids()
                     self.engine.abort_request(ids)
