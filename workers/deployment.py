@@ -303,7 +303,5 @@ def _process_start_time() -> float:
 def worker_deployment(name: str = "EngineWorker"):
     """The Serve deployment of `EngineWorker` with our defaults (no CPU reservation: the engine sets its
     own thread count; many ongoing requests per replica: each is one sequence, not one forward pass).
-    `AppConfig.worker_deployment_options` sets the health-check and drain timings."""
-    return serve.deployment(EngineWorker, name=name, ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=1024, health_check_period_s=2, health_check_timeout_s=10,
-                            graceful_shutdown_wait_loop_s=0.5, graceful_shutdown_timeout_s=35)
+    The health-check and drain timings come from `AppConfig.worker_deployment_options`."""
+    return serve.deployment(EngineWorker, name=name, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
