@@ -124,7 +124,8 @@ class AppConfig(BaseModel):
 
     def _lifecycle_options(self) -> dict[str, Any]:
         """Serve's health-check and drain settings of an engine deployment. Serve force-kills a stopping
-        replica `DRAIN_MARGIN_S` after the ingress has ended what was still running on it."""
+        replica `DRAIN_MARGIN_S` after the ingress has ended what was still running on it (the ingress
+        counts from when its router drops the replica, which can lag Serve's stop under load)."""
         return {"health_check_period_s": self.health_check_period_s,
                 "health_check_timeout_s": self.health_check_timeout_s,
                 "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
@@ -138,7 +139,7 @@ class AppConfig(BaseModel):
 
 
 DRAIN_POLL_S = 0.5
-DRAIN_MARGIN_S = 5.0
+DRAIN_MARGIN_S = 10.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
