@@ -1,12 +1,14 @@
 """Builds and loads kvrelay's compiled CPU kernels (paged decode attention and the fused layer ops).
 
 The C++ sources are built once with torch's extension loader (needs a C++ compiler and ninja) and
-cached under torch's extensions folder. Callers fall back to plain torch when the build is unavailable."""
+cached under torch's extensions folder, one build folder per set of sources, flags and torch install.
+Callers fall back to plain torch when the build is unavailable."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
-import time
+import hashlib
 from pathlib import Path
 
 import torch
@@ -14,27 +16,38 @@ import torch
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / f"csrc_{name}.cpp" for name in ("bindings", "paged_decode", "attention_bf16", "layer_ops")]
 _NAME = "kvrelay_cpu_kernels"
-# torch's loader takes a lock file for every load and waits forever if a process died holding it (for
-# example a server stopped during its first start). A build takes well under this; older locks are dead.
-_STALE_LOCK_S = 300
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 
-def _remove_stale_lock(lock: Path) -> None:
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+def _build_directory() -> Path:
+    """A build folder named by the sources' paths and contents, the flags and the torch install. ninja
+    rebuilds everything when a source path or flag changes, so two checkouts sharing one folder would
+    rebuild it in turn, and a replica restarting after the other one ran would spend minutes compiling
+    (holding the lock) before it could serve."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    digest = hashlib.sha256(f"{torch.__file__} {torch.__version__} {_CFLAGS} {_LDFLAGS}".encode())
+    for source in SOURCES:
+        digest.update(str(source).encode())
+        digest.update(source.read_bytes())
+    return Path(_get_build_directory(f"{_NAME}-{digest.hexdigest()[:16]}", verbose=False))
 
 
 @functools.cache
 def load_extension():
-    from torch.utils.cpp_extension import _get_build_directory, load
+    """Build (once) and load the extension. torch's loader takes a lock file for every load and waits
+    forever if a process died holding it (a replica killed while it compiled, say). Loads here first
+    take an `flock`, which the kernel releases when its holder dies: whoever holds it can delete torch's
+    lock file, since a live holder of that file would hold the flock too."""
+    from torch.utils.cpp_extension import load
 
-    _remove_stale_lock(Path(_get_build_directory(_NAME, verbose=False)) / "lock")
-    return load(name=_NAME, sources=[str(s) for s in SOURCES], verbose=False,
-                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
-                extra_ldflags=["-fopenmp"])
+    build_directory = _build_directory()
+    with open(build_directory / "load.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
+        return load(name=_NAME, sources=[str(s) for s in SOURCES], verbose=False, extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS, build_directory=str(build_directory))
 
 
 def require_cpu(*tensors: torch.Tensor) -> None:

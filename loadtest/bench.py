@@ -11,6 +11,7 @@ our engine offline, the Hugging Face baselines, or all of them side by side in o
     kvrelay bench soak --concurrency 16                        # 10,000 mixed requests, a fresh server
     kvrelay bench compare results/a.json results/b.json
     kvrelay bench train-predictor                              # the `predicted` policy's length model
+    kvrelay bench recovery --rounds 5                          # kill a replica, time until served again
 
 `server` starts a private local Ray cluster and deploys a fresh `kvrelay serve` app for every run (so
 no run inherits another's prefix cache); `--url` measures whatever is listening there.
@@ -25,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from loadtest import runners
+from loadtest import recovery, runners
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.soak_mix import SoakMix
 from loadtest.workloads import BURST_CAPS
@@ -194,6 +195,8 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="(re)draw the PNG plots of result files")
     p.add_argument("files", nargs="+", type=Path)
+
+    recovery.add_parser(sub, _key_value)
     return parser
 
 
@@ -209,6 +212,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "recovery": recovery.run_recovery,
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
     "long-prompt": runners.run_long_prompt, "policies": runners.run_policies,
     "train-predictor": runners.run_train_predictor, "overhead": runners.run_overhead,

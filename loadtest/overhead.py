@@ -91,7 +91,7 @@ class LocalCluster:
         from serving.ray_cluster import free_port, init_ray
 
         os.environ.pop("RAY_ADDRESS", None)
-        init_ray()
+        self.temp_dir = init_ray()
         from ray import serve
 
         port = free_port()
@@ -110,11 +110,12 @@ class LocalCluster:
         serve.delete(name)
 
     def __exit__(self, *exc) -> None:
-        import ray
         from ray import serve
 
+        from serving.ray_cluster import stop_ray
+
         serve.shutdown()
-        ray.shutdown()
+        stop_ray(self.temp_dir)
 
 
 def server_results(url: str, model: str, requests: Sequence[BenchRequest], stream: bool,

@@ -16,10 +16,16 @@ def register(deployment_name: str, router: Any) -> None:
         _routers[deployment_name] = router
 
 
-def replica_ids(deployment_name: str) -> list[str]:
-    """Ids of the replicas known for a deployment (empty before the first call through a handle)."""
+def known_replica_ids(deployment_name: str) -> set[str] | None:
+    """Ids of the replicas this process's router may route to (a stopping or dead replica has left the
+    set); None when no router for the deployment exists here yet."""
     with _lock:
         router = _routers.get(deployment_name)
     if router is None:
-        return []
-    return sorted(r.unique_id for r in list(router._replica_id_set))
+        return None
+    return {r.unique_id for r in list(router._replica_id_set)}
+
+
+def replica_ids(deployment_name: str) -> list[str]:
+    """Ids of the replicas known for a deployment (empty before the first call through a handle)."""
+    return sorted(known_replica_ids(deployment_name) or ())

@@ -22,7 +22,7 @@ from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
 from serving.chat import chat_prompt_ids
 from serving.disaggregated import DisaggregatedClient
-from serving.engine_client import EngineClient, EngineError, RequestStream, call
+from serving.engine_client import EngineClient, EngineError, RequestStream, awaited, call
 from serving.errors import OpenAIError, from_validation_error, install_error_handlers
 from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
@@ -40,10 +40,6 @@ app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
 install_error_handlers(app)
 
 
-async def _awaitable(response):
-    return await response
-
-
 def _default_model_name(model_path: str) -> str:
     return os.path.basename(os.path.normpath(model_path))
 
@@ -57,22 +53,39 @@ class OpenAIIngress:
         self.model_name = self.config.served_model_name or _default_model_name(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.worker = worker
-        self.engine = EngineClient(worker)
+        self.engine = self._engine_client(worker)
         self.workers = {WORKER_DEPLOYMENT: worker}
         if prefill is not None:
-            self.engine = DisaggregatedClient(EngineClient(prefill), self.engine, prefill)
+            self.engine = DisaggregatedClient(self._engine_client(prefill), self.engine, prefill)
             self.workers = {PREFILL_DEPLOYMENT: prefill, DECODE_DEPLOYMENT: worker}
         self._info: ModelInfo | None = None
         self._api_key = self.config.api_key or os.environ.get("KVRELAY_API_KEY") or None
 
+    def __del__(self) -> None:
+        """Serve calls this once the ingress has drained; its subscriber streams end with it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
     # ---- plumbing ------------------------------------------------------------------------------
 
-    async def _model_info(self, timeout: float | None = None) -> ModelInfo:
-        if self._info is None:
+    def _engine_client(self, handle: DeploymentHandle) -> EngineClient:
+        return EngineClient(handle, self.config.replica_wait_timeout_s, self.config.drain_timeout_s)
+
+    async def _model_info(self, refresh: bool = False) -> ModelInfo:
+        """The engine's model facts, fetched once; `refresh` asks a replica again (the health check). No
+        answer within `replica_wait_timeout_s` is a 503."""
+        if self._info is None or refresh:
+            timeout = self.config.replica_wait_timeout_s
+            response = call(self.worker.model_info)
             try:
-                self._info = await asyncio.wait_for(_awaitable(call(self.worker.model_info)), timeout)
+                self._info = await asyncio.wait_for(awaited(response), timeout)
             except asyncio.TimeoutError:
-                raise OpenAIError(503, "no engine replica is ready yet") from None
+                response.cancel()
+                raise OpenAIError(503, f"no engine replica answered within {timeout:g} s (replica_wait_timeout_s); "
+                                       "none is ready yet, or all are being replaced") from None
+            except Exception as e:
+                raise OpenAIError(503, f"the engine replica failed: {type(e).__name__}") from None
         return self._info
 
     def _authorize(self, request: Request) -> None:
@@ -166,7 +179,8 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        await self._model_info(timeout=5.0)
+        """200 once an engine replica answers; 503 (with an error body) while none does."""
+        await self._model_info(refresh=True)
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -181,7 +195,7 @@ class OpenAIIngress:
         for name, handle in self.workers.items():
             ids = replica_ids(name)
             calls += [call(handle.metrics_text, replica_id=rid) for rid in ids] or [call(handle.metrics_text)]
-        results = await asyncio.gather(*(asyncio.wait_for(_awaitable(c), 10.0) for c in calls), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(awaited(c), 10.0) for c in calls), return_exceptions=True)
         texts = [r[1] for r in results if isinstance(r, tuple)]
         for r in results:
             if not isinstance(r, tuple):
@@ -249,13 +263,14 @@ def build_app(args: dict[str, Any] | AppConfig | None = None):
     config = args if isinstance(args, AppConfig) else parse_app_args(args or {})
     from workers.deployment import worker_deployment
 
+    ingress = OpenAIIngress.options(**config.ingress_deployment_options())
     if not config.disaggregate:
         worker = worker_deployment(WORKER_DEPLOYMENT).options(**config.worker_deployment_options()).bind(
-            asdict(config.engine), config.max_waiting_requests)
-        return OpenAIIngress.bind(worker, config.model_dump(mode="python"))
+            asdict(config.engine), config.max_waiting_requests, max_failed_steps=config.max_failed_steps)
+        return ingress.bind(worker, config.model_dump(mode="python"))
     pools = {}
     for pool, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
         pools[pool] = worker_deployment(name).options(**config.pool_deployment_options(pool)).bind(
             asdict(config.pool_engine(pool)), config.max_waiting_requests, pool, config.kv_transport, config.kv_lease_s,
-            config.kv_fetch_delay_s)
-    return OpenAIIngress.bind(pools["decode"], config.model_dump(mode="python"), pools["prefill"])
+            config.kv_fetch_delay_s, max_failed_steps=config.max_failed_steps)
+    return ingress.bind(pools["decode"], config.model_dump(mode="python"), pools["prefill"])

@@ -58,6 +58,16 @@ class AppConfig(BaseModel):
     kv_lease_s: float = Field(30.0, gt=0, description="Disaggregated: a prefill replica frees unclaimed KV after this.")
     kv_fetch_delay_s: float = Field(0.0, ge=0, description="Fault injection for tests: decode replicas wait this "
                                     "long before fetching KV.")
+    replica_wait_timeout_s: float = Field(10.0, gt=0, description="A request that no engine replica accepts within "
+                                          "this long (none is ready, or all are full) gets HTTP 503.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="Scale-down, redeploy or shutdown: requests in flight on "
+                                   "a stopping replica may run this long, then end with an error.")
+    health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks each engine replica; three "
+                                         "failed checks in a row and it is replaced.")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="An engine replica's health check that takes "
+                                          "longer than this fails.")
+    max_failed_steps: int = Field(5, ge=1, description="An engine replica whose last N engine steps all failed "
+                                  "reports unhealthy (and is replaced).")
 
     @model_validator(mode="after")
     def _check_bounds(self):
@@ -125,6 +135,7 @@ class AppConfig(BaseModel):
                 request_routing_stats_period_s=self.routing_stats_period_s,
                 request_routing_stats_timeout_s=max(5.0, 5 * self.routing_stats_period_s)),
         }
+        opts.update(self._lifecycle_options())
         if self.autoscaling:
             opts["autoscaling_config"] = {
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
@@ -136,7 +147,24 @@ class AppConfig(BaseModel):
             opts["num_replicas"] = self.num_replicas or self.min_replicas or 1
         return opts
 
+    def _lifecycle_options(self) -> dict[str, Any]:
+        """Serve's health-check and drain settings of an engine deployment. Serve force-kills a stopping
+        replica `DRAIN_MARGIN_S` after the ingress has ended what was still running on it (the ingress
+        counts from when its router drops the replica, which can lag Serve's stop under load)."""
+        return {"health_check_period_s": self.health_check_period_s,
+                "health_check_timeout_s": self.health_check_timeout_s,
+                "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+                "graceful_shutdown_timeout_s": self.drain_timeout_s + DRAIN_MARGIN_S}
 
+    def ingress_deployment_options(self) -> dict[str, Any]:
+        """The ingress outlives the engine replicas' drain, so it can still send the error events that end
+        the streams cut at `drain_timeout_s`."""
+        return {"graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+                "graceful_shutdown_timeout_s": self.drain_timeout_s + 2 * DRAIN_MARGIN_S}
+
+
+DRAIN_POLL_S = 0.5
+DRAIN_MARGIN_S = 10.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _CALL_HEADROOM = 64  # open calls beyond generate: one subscribe stream per ingress replica, scrapes, KV releases
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 DEFAULT_PROMPT = "What is continuous batching in LLM serving?"
+APP_NAME = "kvrelay"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -103,29 +104,61 @@ def app_config_from_args(args: argparse.Namespace) -> AppConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     config = app_config_from_args(args)  # fails fast, before Ray starts
-    from serving.ray_cluster import init_ray, wait_until_healthy
+    from serving.ray_cluster import init_ray, stop_ray, wait_until_healthy
 
-    init_ray()
-    import ray
+    temp_dir = init_ray()
+    if temp_dir is not None:
+        print(f"Ray temp dir: {temp_dir} (removed on exit; KVRELAY_KEEP_RAY_TEMP=1 keeps it)", file=sys.stderr, flush=True)
     from ray import serve
 
     from serving.app import build_app
 
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = _StopSignals().install()
     url = f"http://{args.host}:{args.port}"
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(config), name="kvrelay", route_prefix="/", blocking=False)
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         wait_until_healthy(url)
+        signals.ready.set()
         print(f"kvrelay is ready: {url}/v1 (OpenAI API), {url}/metrics, {url}/health. Ctrl-C stops it.", flush=True)
-        stop.wait()
-        print("shutting down", file=sys.stderr, flush=True)
+        signals.requested.wait()
+        _drain(config.drain_timeout_s)
+    except KeyboardInterrupt:
+        print("stopping now", file=sys.stderr, flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray(temp_dir)
     return 0
+
+
+@dataclasses.dataclass
+class _StopSignals:
+    """SIGINT or SIGTERM once the server is ready: `requested` is set (drain, then stop). Again, or
+    before the server is ready: KeyboardInterrupt (stop now)."""
+
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    requested: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def install(self) -> _StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, *_: Any) -> None:
+        if self.requested.is_set() or not self.ready.is_set():
+            raise KeyboardInterrupt
+        self.requested.set()
+
+
+def _drain(drain_timeout_s: float) -> None:
+    """Delete the app the way Serve scales down: replicas take no new requests, requests in flight get up
+    to `drain_timeout_s` to finish and are then ended with an error event. Then stop Serve."""
+    from ray import serve
+
+    print(f"draining: requests in flight have up to {drain_timeout_s:g} s to finish; Ctrl-C again stops now",
+          file=sys.stderr, flush=True)
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    print("stopped", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

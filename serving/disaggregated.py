@@ -6,14 +6,17 @@ accepted the request, which it does only after the fetch), or when its lease exp
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 
-from serving.engine_client import EngineClient, EngineError, RequestStream, call
+from router.registry import known_replica_ids
+from serving.engine_client import EngineClient, EngineError, RequestStream, awaited, call
 from workers.messages import GenerateRequest
 from workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+CONFIRM_TIMEOUT_S = 10.0
 
 
 class HandoffStream:
@@ -76,6 +79,7 @@ class DisaggregatedClient:
     def __init__(self, prefill: EngineClient, decode: EngineClient, prefill_handle) -> None:
         self.prefill, self.decode = prefill, decode
         self._prefill_handle = prefill_handle
+        self._confirms: set[asyncio.Task] = set()
 
     async def submit(self, request: GenerateRequest) -> RequestStream | HandoffStream:
         if request.params.n != 1:
@@ -85,6 +89,26 @@ class DisaggregatedClient:
                                           hold_kv=True)
         return HandoffStream(self, request, await self.prefill.submit(prefill_req))
 
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
     def confirm(self, replica_id: str, request_id: str) -> None:
-        """Tell the prefill replica its held KV has been taken (fire and forget; the lease is the backstop)."""
-        call(self._prefill_handle.release_kv, request_id, replica_id=replica_id)
+        """Tell the prefill replica its held KV has been taken (fire and forget; the lease is the backstop).
+        Skipped for a replica that has left the router's set (dead or stopping): a call pinned to it could
+        never be routed and would hold one of the router's few routing tasks."""
+        known = known_replica_ids(self.prefill.deployment)
+        if known is not None and replica_id not in known:
+            return
+        task = asyncio.create_task(self._confirm(replica_id, request_id))
+        self._confirms.add(task)
+        task.add_done_callback(self._confirms.discard)
+
+    async def _confirm(self, replica_id: str, request_id: str) -> None:
+        response = call(self._prefill_handle.release_kv, request_id, replica_id=replica_id)
+        try:
+            await asyncio.wait_for(awaited(response), CONFIRM_TIMEOUT_S)
+        except Exception as e:  # the lease frees the blocks
+            response.cancel()
+            logger.warning("could not confirm the KV hand-off of %s to prefill replica %s: %r", request_id,
+                           replica_id, e)

@@ -2,7 +2,9 @@
 
 `EngineClient.generate` sends one request and yields its per-step deltas. The deltas of all requests on
 one replica arrive on a single subscriber stream per replica and are fanned out here to per-request
-queues. A replica that dies ends its requests with `EngineError`, never a hang."""
+queues. A replica that dies ends its requests with `EngineError`, never a hang; a request no replica
+takes within `replica_wait_timeout_s` gets 503; a replica that stops (scale-down, redeploy) keeps its
+requests for `drain_timeout_s`, then they end with an error."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from typing import Any
 from ray.serve import context as serve_context
 from ray.serve.handle import DeploymentHandle
 
+from router.registry import known_replica_ids
 from workers.messages import Accepted, GenerateRequest, Rejected, StepBatch
 from workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.5
 
 
 def call(method, *args, **kwargs):
@@ -32,6 +36,11 @@ def call(method, *args, **kwargs):
         return method.remote(*args, **kwargs)
 
     return contextvars.copy_context().run(remote)
+
+
+async def awaited(response):
+    """A handle call's result as a coroutine (for `asyncio.wait_for`, which wants one)."""
+    return await response
 
 
 class EngineError(Exception):
@@ -56,6 +65,9 @@ class _Subscription:
         self.replica_id = replica_id
         self.requests: set[str] = set()
         self.task: asyncio.Task | None = None
+        self.stream: Any = None
+        self.drain_deadline: float | None = None  # set once the replica has left the router's set
+        self.cut = False
 
 
 class RequestStream:
@@ -93,18 +105,22 @@ class RequestStream:
             return
         self._closed = True
         self._client._queues.pop(self.request_id, None)
-        self._sub.requests.discard(self.request_id)
+        self._client._request_done(self._sub, self.request_id)
         self._watcher.cancel()
         if not self.finished:
             self._stream.cancel()
 
 
 class EngineClient:
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, replica_wait_timeout_s: float | None = None,
+                 drain_timeout_s: float = 30.0) -> None:
         self._handle = handle.options(stream=True)
+        self.deployment = handle.deployment_name
         self.subscriber_id = uuid.uuid4().hex
+        self.replica_wait_timeout_s, self.drain_timeout_s = replica_wait_timeout_s, drain_timeout_s
         self._queues: dict[str, asyncio.Queue] = {}
         self._subscriptions: dict[str, _Subscription] = {}
+        self._drain_watch: asyncio.Task | None = None
 
     async def submit(self, request: GenerateRequest) -> RequestStream:
         """Send one request; returns once a replica has accepted it. Raises `EngineError` if it is refused
@@ -114,12 +130,14 @@ class EngineClient:
         self._queues[rid] = queue
         stream = call(self._handle.generate, self.subscriber_id, request)
         try:
-            first = await stream.__anext__()
+            first = await asyncio.wait_for(stream.__anext__(), self.replica_wait_timeout_s)
         except BaseException as e:
             self._queues.pop(rid, None)
             stream.cancel()
             if isinstance(e, asyncio.CancelledError):
                 raise
+            if isinstance(e, asyncio.TimeoutError):
+                raise self._no_replica_error() from None
             raise EngineError(f"the engine replica failed before accepting the request: {_describe(e)}") from e
         if not isinstance(first, Accepted):
             self._queues.pop(rid, None)
@@ -141,15 +159,22 @@ class EngineClient:
         except Exception as e:
             queue.put_nowait(EngineError(f"the engine replica serving this request failed: {_describe(e)}"))
 
+    def _no_replica_error(self) -> EngineError:
+        return EngineError(f"no {self.deployment} replica accepted the request within {self.replica_wait_timeout_s:g} s "
+                           "(replica_wait_timeout_s): none is ready (starting, or replacing one that failed) or all "
+                           "are busy; retry later")
+
     def _subscribe(self, replica_id: str) -> _Subscription:
         sub = self._subscriptions.get(replica_id)
         if sub is None:
             sub = self._subscriptions[replica_id] = _Subscription(replica_id)
             sub.task = asyncio.create_task(self._pump(sub))
+        if self._drain_watch is None or self._drain_watch.done():
+            self._drain_watch = asyncio.create_task(self._watch_draining())
         return sub
 
     async def _pump(self, sub: _Subscription) -> None:
-        stream = call(self._handle.subscribe, self.subscriber_id, replica_id=sub.replica_id)
+        stream = sub.stream = call(self._handle.subscribe, self.subscriber_id, replica_id=sub.replica_id)
         error: Exception | None = None
         try:
             async for batch in stream:
@@ -184,8 +209,50 @@ class EngineClient:
             if queue is not None:
                 queue.put_nowait(EngineError(message, 400, "invalid_request_error"))
 
-    async def close(self) -> None:
+    def _request_done(self, sub: _Subscription, request_id: str) -> None:
+        sub.requests.discard(request_id)
+        if sub.drain_deadline is not None and not sub.requests and sub.task is not None:
+            sub.task.cancel()
+
+    async def _watch_draining(self) -> None:
+        """Serve stops a replica (scale-down, redeploy, shutdown) once no call to it is open, and takes it
+        out of the router's set first. Subscriptions to a replica outside that set end as soon as none of
+        their requests runs there; requests still running after `drain_timeout_s` end with an error."""
+        loop = asyncio.get_running_loop()
+        while self._subscriptions:
+            await asyncio.sleep(DRAIN_POLL_S)
+            known = known_replica_ids(self.deployment)
+            if known is None:
+                continue
+            for sub in list(self._subscriptions.values()):
+                if sub.replica_id in known:
+                    continue
+                if sub.drain_deadline is None:
+                    sub.drain_deadline = loop.time() + self.drain_timeout_s
+                    logger.info("engine replica %s is stopping; %d requests may run %g s more", sub.replica_id,
+                                len(sub.requests), self.drain_timeout_s)
+                if not sub.requests and sub.task is not None:
+                    sub.task.cancel()
+                elif loop.time() >= sub.drain_deadline and not sub.cut:
+                    sub.cut = True
+                    self._cut(sub)
+
+    def _cut(self, sub: _Subscription) -> None:
+        message = (f"engine replica {sub.replica_id} is shutting down and this request did not finish within "
+                   f"drain_timeout_s={self.drain_timeout_s:g} s; retry it")
+        for rid in list(sub.requests):
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(EngineError(message))
+
+    def close(self) -> None:
+        """End every subscription now (the ingress is stopping): an engine replica counts an open
+        subscription as a request in flight and would otherwise wait out its whole drain timeout."""
+        if self._drain_watch is not None:
+            self._drain_watch.cancel()
         for sub in list(self._subscriptions.values()):
+            if sub.stream is not None:
+                sub.stream.cancel()
             if sub.task is not None:
                 sub.task.cancel()
 

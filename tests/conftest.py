@@ -4,7 +4,6 @@ same tokenizer, and corpus prompts of chosen lengths."""
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -90,14 +89,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 def ray_session():
     """One private local Ray cluster for every test that needs Ray."""
     os.environ.pop("RAY_ADDRESS", None)
-    from serving.ray_cluster import init_ray
+    from serving.ray_cluster import init_ray, stop_ray
 
     temp_dir = init_ray(num_cpus=4)
     import ray
 
     yield ray
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    stop_ray(temp_dir)
 
 
 @pytest.fixture(scope="session")

@@ -40,16 +40,36 @@ class _InFlight:
     done: asyncio.Future
 
 
+@dataclass(slots=True)
+class StartupTimes:
+    """Wall-clock readings (`time.time()`) of a replica's start, to say where a restart's time goes."""
+
+    process_started: float
+    constructor_started: float
+    engine_ready: float = 0.0
+
+
+class EngineLoopStopped(RuntimeError):
+    """The replica's engine loop thread has ended; its requests cannot finish here."""
+
+
 class EngineWorker:
     """`role`: "colocated" (prefill and decode), "prefill" (computes the prompt and the first token, then
     holds the prompt's KV for a decode replica to fetch, until confirmed or `kv_lease_s` passes) or
-    "decode" (fetches the prompt's KV by ticket and continues)."""
+    "decode" (fetches the prompt's KV by ticket and continues).
+
+    `max_failed_steps`: after this many engine steps in a row fail, `check_health` reports the replica
+    unhealthy, so Serve replaces it."""
 
     def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None,
                  role: str = "colocated", kv_transport: str = "auto", kv_lease_s: float = 30.0,
-                 kv_fetch_delay_s: float = 0.0) -> None:
+                 kv_fetch_delay_s: float = 0.0, max_failed_steps: int = 5) -> None:
+        self._startup = StartupTimes(_process_start_time(), time.time())
         if role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
+        if max_failed_steps < 1:
+            raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
+        self.max_failed_steps = max_failed_steps
         if isinstance(engine_config, dict) or engine_config is None:
             engine_config = EngineConfig(**(engine_config or {}))
         try:
@@ -72,6 +92,7 @@ class EngineWorker:
         self._waiting_for_kv = 0
         self.loop = EngineLoop(self.engine, self._on_step)
         self.loop.start()
+        self._startup.engine_ready = time.time()
 
     # ---- called by the ingress -----------------------------------------------------------------
 
@@ -201,9 +222,30 @@ class EngineWorker:
         return {"pending_tokens": s.num_pending_tokens, "kv_cache_usage": s.kv_cache_usage,
                 "num_waiting": self.loop.num_waiting, "num_running": s.num_running}
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
+        """Serve calls this every `health_check_period_s`; three failures in a row and it replaces the
+        replica. A stopped engine loop also fails the requests still waiting on it, at once."""
         if not self.loop.is_alive():
-            raise RuntimeError("the engine loop thread has stopped")
+            message = f"the engine loop of replica {self.replica_id} has stopped"
+            self._fail_in_flight(message)
+            raise EngineLoopStopped(message)
+        failed = self.loop.consecutive_failed_steps
+        if failed >= self.max_failed_steps:
+            raise RuntimeError(f"the last {failed} engine steps of replica {self.replica_id} failed "
+                               f"(max_failed_steps={self.max_failed_steps}); see its log for the errors")
+
+    def _fail_in_flight(self, message: str) -> None:
+        """End every open `generate` call with an error (the ingress answers 503)."""
+        entries, self._in_flight = list(self._in_flight.values()), {}
+        for entry in entries:
+            if not entry.done.done():
+                entry.done.set_exception(EngineLoopStopped(message))
+
+    def startup_times(self) -> dict[str, float]:
+        """When this replica's process started, its constructor began, and its engine was ready."""
+        return {"process_started": self._startup.process_started,
+                "constructor_started": self._startup.constructor_started,
+                "engine_ready": self._startup.engine_ready}
 
     def shutdown(self) -> None:
         """Stop the engine loop, then close the KV sender or receiver (their threads, stores and groups).
@@ -275,8 +317,14 @@ class EngineWorker:
             entry.done.set_result(None)
 
 
+def _process_start_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def worker_deployment(name: str = "EngineWorker"):
     """The Serve deployment of `EngineWorker` with our defaults (no CPU reservation: the engine sets its
-    own thread count; many ongoing requests per replica: each is one sequence, not one forward pass)."""
-    return serve.deployment(EngineWorker, name=name, ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=1024, health_check_period_s=5, graceful_shutdown_timeout_s=5)
+    own thread count; many ongoing requests per replica: each is one sequence, not one forward pass).
+    The health-check and drain timings come from `AppConfig.worker_deployment_options`."""
+    return serve.deployment(EngineWorker, name=name, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)

@@ -49,6 +49,7 @@ class EngineLoop:
         self._aborts: list[str] = []
         self._releases: list[str] = []
         self._stopped = False
+        self.consecutive_failed_steps = 0  # read by the replica's health check
         self.stats: EngineStats = engine.get_stats()
         self._queued = 0  # requests in the inbox, not yet in the engine
         self._arrived = Arrivals()  # in the inbox
@@ -130,7 +131,9 @@ class EngineLoop:
             if self.engine.has_unfinished_requests():
                 try:
                     outputs = self.engine.step()
+                    self.consecutive_failed_steps = 0
                 except Exception as e:  # outside the model run (which isolates its failures): fail what is in flight
+                    self.consecutive_failed_steps += 1
                     logger.exception("engine step failed")
                     ids = self.engine.unfinished_request_ids()
                     self.engine.abort_request(ids)

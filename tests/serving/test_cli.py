@@ -1,17 +1,22 @@
 """The `kvrelay` command line: flags generated from the option dataclasses, and `kvrelay serve` as a user
-runs it (its own local Ray cluster, a ready line with the URL, Ctrl-C stops it)."""
+runs it (its own local Ray cluster, a ready line with the URL, Ctrl-C drains and stops it and removes
+the cluster's temp dir)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 import typing
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,7 @@ from serving.ray_cluster import free_port
 from workers.config import EngineConfig, parse_memory
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kinds(annotation: Any) -> set[type]:
@@ -128,29 +134,57 @@ def test_a_field_type_without_a_flag_form_is_refused():
         flag_options("sizes", list[int])
 
 
-def test_kvrelay_serve_starts_answers_and_stops_on_ctrl_c():
+def _stream_events(url: str, body: dict, started: threading.Event) -> list[dict]:
+    """The data events of one streamed completion, up to `[DONE]`."""
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                if line[6:].strip() == b"[DONE]":
+                    return events
+                events.append(json.loads(line[6:]))
+                started.set()
+    raise AssertionError(f"the stream was cut without [DONE] after {len(events)} events")
+
+
+def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up():
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever the console script was installed from
     proc = subprocess.Popen([str(KVRELAY), "serve", "--port", str(port), "--kv-cache-memory", "256MiB",
-                             "--max-num-seqs", "8"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            text=True)
+                             "--max-num-seqs", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            text=True, cwd=ROOT)
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline, ready = time.monotonic() + 300, ""
-        while "ready" not in ready:
+        deadline, lines = time.monotonic() + 300, [""]
+        while "kvrelay is ready" not in lines[-1]:
             assert time.monotonic() < deadline and proc.poll() is None, "kvrelay serve did not become ready"
             if sel.select(timeout=1):
-                ready = proc.stdout.readline()
+                lines.append(proc.stdout.readline())
+        temp_dir = Path(next(line.split()[3] for line in lines if line.startswith("Ray temp dir:")))
+        assert temp_dir.is_dir()
         url = f"http://127.0.0.1:{port}"
-        assert f"{url}/v1" in ready
+        assert f"{url}/v1" in lines[-1]
         status, body = http("POST", f"{url}/v1/completions",
                             {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:  # a stream in flight when Ctrl-C comes: it finishes
+            stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 32,
+                                                       "ignore_eos": True, "stream_options": {"include_usage": True}},
+                                 started)
+            assert started.wait(120)
+            proc.send_signal(signal.SIGINT)
+            events = stream.result(timeout=120)
+        assert all("error" not in e for e in events) and events[-1]["usage"]["completion_tokens"] == 32
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "draining" in output, output[-2000:]
         with pytest.raises(OSError):  # nothing listens any more
             http("GET", f"{url}/health", timeout=5)
+        assert not temp_dir.exists()  # the Ray session's files are gone
     finally:
         if proc.poll() is None:
             proc.kill()

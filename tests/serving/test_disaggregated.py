@@ -1,5 +1,6 @@
 """Disaggregated serving end to end: a prefill pool and a decode pool handing off KV blocks, over the
-object store and over gloo, against the offline engine's greedy outputs (float32)."""
+object store and over gloo, against the offline engine's greedy outputs (float32); and a replica of
+either pool killed mid-hand-off."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import time
 import aiohttp
 import openai
 import pytest
-import ray
 from serving_helpers import http, metric_sum, scrape
 
+from loadtest.recovery import kill_replica
 from serving import LLM, SamplingParams
 from serving.app_config import parse_app_args
 
@@ -114,32 +115,58 @@ def test_aborts_before_and_during_transfer_free_everything(app):
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
-def test_decode_replica_killed_during_transfer(deploy_app):
-    url = deploy_app("dis-kill", kv_transport="object_store", kv_fetch_delay_s=5, **POOLS)
+@pytest.fixture(scope="module")
+def faulty(deploy_app) -> str:
+    """Decode replicas wait 5 s before they fetch KV: a window to kill a replica mid-hand-off."""
+    return deploy_app("dis-kill", kv_transport="object_store", kv_fetch_delay_s=5, **POOLS)
+
+
+def _kill_during_transfer(url: str, deployment: str) -> openai.APIStatusError:
+    """Send one request, kill a replica of `deployment` once the decode side waits for the KV, and return
+    the error the client got."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
-    async def run():
+    async def run() -> openai.APIStatusError:
         task = asyncio.create_task(client.completions.create(model=MODEL, prompt="A long story:", max_tokens=50))
         deadline = time.monotonic() + 60
         while metric_sum(scrape(url), "kvrelay:num_requests_waiting_for_kv") < 1:  # the fetch has started
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if "dis-kill#DecodeWorker#" in a["name"]]
-        assert len(names) == 1
-        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-        with pytest.raises(openai.APIError):
+        kill_replica("dis-kill", deployment)
+        with pytest.raises(openai.APIStatusError) as error:
             await asyncio.wait_for(task, 60)  # an error, not a hang
+        return error.value
 
-    asyncio.run(run())
+    return asyncio.run(run())
+
+
+def _wait_served(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=60)[0] != 200:
+        assert time.monotonic() < deadline, "the pools did not recover"
+        time.sleep(1)
+
+
+def test_decode_replica_killed_during_transfer(faulty):
+    error = _kill_during_transfer(faulty, "DecodeWorker")
+    assert error.status_code == 503 and "replica" in error.message
     deadline = time.monotonic() + 60
     while True:  # the prefill side frees the blocks by lease (3 s)
-        m = scrape(url)
+        m = scrape(faulty)
         if metric_sum(m, "kvrelay:num_kv_held") == 0 and metric_sum(m, "kvrelay:kv_cache_usage_perc") == 0 \
                 and metric_sum(m, "kvrelay:kv_lease_expired_total") >= 1:
             break
         assert time.monotonic() < deadline, "the lease did not free the prefill blocks"
         time.sleep(0.5)
+    _wait_served(faulty)
+
+
+def test_prefill_replica_killed_during_transfer(faulty):
+    _wait_served(faulty)
+    error = _kill_during_transfer(faulty, "PrefillWorker")
+    assert error.status_code == 503 and "KV" in error.message  # the decode replica could not fetch it
+    wait_all_free(faulty)  # the decode side holds nothing for the lost request
+    _wait_served(faulty)
 
 
 @pytest.mark.parametrize("override, named", [({"block_size": 32}, "block_size 16 vs 32"),

@@ -11,8 +11,10 @@ import aiohttp
 import openai
 import pytest
 import ray
-from serving_helpers import http, metric_sum, scrape
 from ray import serve
+from serving_helpers import http, metric_sum, scrape
+
+from loadtest.recovery import RecoveryRun, measure_recovery
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -98,8 +100,11 @@ def _replica_actors(app: str, deployment: str) -> list:
     return [ray.get_actor(n, namespace="serve") for n in names]
 
 
+WAIT_S = 3.0  # replica_wait_timeout_s of the apps below
+
+
 def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app):
-    url = deploy_app("kill")
+    url = deploy_app("kill", replica_wait_timeout_s=WAIT_S)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
     async def stream_until_error(i: int, started: asyncio.Event) -> str:
@@ -112,27 +117,69 @@ def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app):
             return f"error: {e}"
         return "finished"
 
-    async def run():
+    async def run() -> tuple[list[str], RecoveryRun]:
         started = asyncio.Event()
         tasks = [asyncio.create_task(stream_until_error(i, started)) for i in range(4)]
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(0.5)
-        actors = _replica_actors("kill", "EngineWorker")
-        assert len(actors) == 1
-        ray.kill(actors[0], no_restart=True)
-        return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # no hang
+        assert len(_replica_actors("kill", "EngineWorker")) == 1
+        recovery = asyncio.create_task(measure_recovery(url, "kill", MODEL, probe_interval_s=1.0))
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)  # no hang
+        return outcomes, await recovery
 
-    outcomes = asyncio.run(run())
+    outcomes, recovery = asyncio.run(run())
     assert all(o.startswith("error") for o in outcomes), outcomes
-    deadline = time.monotonic() + 180
-    while True:
-        status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=30)
-        if status == 200:
-            assert body["usage"]["completion_tokens"] == 3
-            break
-        assert status in (500, 503), body
-        assert time.monotonic() < deadline, f"no recovery: {status} {body}"
-        time.sleep(1)
+    assert recovery.served_s is not None, recovery.to_dict()
+    for probe in recovery.probes:  # during the gap: 503 with a body, within the bound; never silence
+        assert probe.status in (200, 503), probe
+        assert probe.done_s - probe.sent_s < WAIT_S + 10, probe
+        if probe.status == 503:
+            assert "replica" in probe.error, probe
+    assert recovery.process_started_s is not None and recovery.process_started_s < recovery.served_s
+
+
+async def _sse(session: aiohttp.ClientSession, url: str, body: dict, started: asyncio.Event) -> tuple[list[dict], float]:
+    """The data events of one streamed completion (error events included) and when `[DONE]` came."""
+    events: list[dict] = []
+    async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                return events, time.monotonic()
+            events.append(json.loads(data))
+            started.set()
+    raise AssertionError(f"the stream was cut without [DONE] after {len(events)} events: {events[-1:]}")
+
+
+def test_redeploy_lets_a_short_stream_finish_and_ends_a_long_one_with_an_error(deploy_app):
+    drain_s, options = 15.0, dict(drain_timeout_s=15, replica_wait_timeout_s=WAIT_S)
+    url = deploy_app("drain", **options)
+    body = {"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+            started = [asyncio.Event(), asyncio.Event()]
+            short = asyncio.create_task(_sse(session, url, {**body, "max_tokens": 48}, started[0]))
+            long = asyncio.create_task(_sse(session, url, {**body, "max_tokens": 4000}, started[1]))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            start = time.monotonic()
+            redeploy = asyncio.create_task(asyncio.to_thread(deploy_app, "drain", **options, max_num_seqs=255))
+            (short_events, short_end), (long_events, long_end) = await asyncio.gather(short, long)
+            await redeploy
+            return short_events, short_end - start, long_events, long_end - start
+
+    try:
+        short_events, short_s, long_events, long_s = asyncio.run(run())
+    finally:
+        serve.delete("drain")
+    assert short_s > 0 and all("error" not in e for e in short_events)
+    assert short_events[-1]["usage"]["completion_tokens"] == 48  # finished on the stopping replica
+    assert "error" in long_events[-1] and "shutting down" in long_events[-1]["error"]["message"], long_events[-1]
+    assert drain_s - 1 < long_s < drain_s + 15
 
 
 def test_autoscaling_adds_a_replica_that_serves(deploy_app):
