@@ -18,6 +18,7 @@ from workers.config import EngineConfig
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
 from workers.model_runner import ModelRunner
+from workers.onednn_caches import bound_onednn_caches
 from workers.output_processor import OutputKind, OutputProcessor
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
@@ -67,6 +68,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
+        bound_onednn_caches()
         torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)
