@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from loadtest import report, workloads
-from loadtest.roofline import lengths_of_requests, lengths_of_results
+from loadtest.roofline import RunRooflines, lengths_of_requests, lengths_of_results
 from loadtest.workloads import BURST_CAPS, BenchRequest
 from workers.request_queue import SchedulingPolicy
 
@@ -95,7 +95,7 @@ class Systems:
         self.cluster: Any = None
         self.model_name: str | None = None
         self.apps = 0
-        self.rooflines: Any = None  # loadtest.roofline.RunRooflines once the ceilings are measured
+        self.rooflines: RunRooflines | None = None  # once the ceilings are measured
 
     def annotate(self, run: dict[str, Any], lengths: Sequence[tuple[int, int]]) -> dict[str, Any]:
         """Add the run's rooflines (its fractions of this machine's ceilings), unless --no-ceilings."""
@@ -193,14 +193,13 @@ def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> t
     return payload, args.out / f"{workload}-{_stamp()}.json", res
 
 
-def measure_rooflines(args: argparse.Namespace, payload: dict[str, Any]) -> Any:
+def measure_rooflines(args: argparse.Namespace, payload: dict[str, Any]) -> RunRooflines:
     """Measure the ceilings with the engine's thread count, dtype and device, at the shapes of the run's model
     (the --model folder, else the --tokenizer folder, else the default model), into ``payload["ceilings"]``."""
     import torch
 
     from loadtest.ceilings import measure_ceilings
     from loadtest.model_shape import ModelShape
-    from loadtest.roofline import RunRooflines
 
     folder = next((f for f in (args.model, args.tokenizer) if _is_folder(f)), None) or default_model_path()
     shape = ModelShape.from_folder(folder)
