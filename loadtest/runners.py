@@ -188,9 +188,11 @@ def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> t
     """A new result payload with this machine's ceilings, the path it will be written to, and the run's lazily
     built systems."""
     payload, res = report.new_payload(workload, params, args.argv), Systems(args)
+    path = args.out / f"{workload}-{_stamp()}.json"
     if getattr(args, "ceilings", True):
         res.rooflines = measure_rooflines(args, payload)
-    return payload, args.out / f"{workload}-{_stamp()}.json", res
+        report.write_payload(path, payload)  # an interrupted run keeps them
+    return payload, path, res
 
 
 def measure_rooflines(args: argparse.Namespace, payload: dict[str, Any]) -> RunRooflines:
