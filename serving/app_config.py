@@ -25,7 +25,8 @@ class AppConfig(BaseModel):
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables (JSON) for "
                                                          "every chat template render; a request's "
                                                          "chat_template_kwargs override them.")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1 routes (or set KVRELAY_API_KEY).")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and "
+                                   "/detokenize (or set KVRELAY_API_KEY).")
     num_replicas: int | None = Field(None, ge=1, description="Fixed number of engine replicas (turns autoscaling off).")
     min_replicas: int = Field(1, ge=0, description="Autoscaling: fewest engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Autoscaling: most engine replicas (autoscaling is on when > min).")
