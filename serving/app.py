@@ -6,6 +6,7 @@
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import os
 import uuid
@@ -20,13 +21,14 @@ from ray.serve.handle import DeploymentHandle
 
 from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
-from serving.chat import chat_prompt_ids
+from serving.chat import ChatInputError, ChatTemplateOptions, chat_prompt_ids
 from serving.disaggregated import DisaggregatedClient
 from serving.engine_client import EngineClient, EngineError, RequestStream, awaited, call
 from serving.errors import OpenAIError, from_validation_error, install_error_handlers
 from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
-from serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
 from workers.messages import GenerateRequest, ModelInfo
 from workers.model_loader import load_tokenizer, resolve_model_path
 from workers.sampling_params import SamplingParams
@@ -50,7 +52,8 @@ class OpenAIIngress:
     def __init__(self, worker: DeploymentHandle, config: dict, prefill: DeploymentHandle | None = None) -> None:
         self.config = AppConfig(**config)
         self.model_path = resolve_model_path(self.config.engine.model)
-        self.model_name = self.config.served_model_name or _default_model_name(self.model_path)
+        self.model_names = self.config.served_model_name or [_default_model_name(self.model_path)]
+        self.model_name = self.model_names[0]
         self.tokenizer = load_tokenizer(self.model_path)
         self.worker = worker
         self.engine = self._engine_client(worker)
@@ -117,10 +120,25 @@ class OpenAIIngress:
             parsed = model.model_validate_json(body)
         except ValidationError as e:
             raise from_validation_error(e) from None
-        if parsed.model != self.model_name:
-            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+        if parsed.model is not None and parsed.model not in self.model_names:
+            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves "
+                                   f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
         return parsed
+
+    def _chat_ids(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """The prompt of a chat request: its messages through the chat template, with vLLM's options."""
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise OpenAIError(400, "this server does not accept a chat_template in requests; start it with "
+                                   "--trust-request-chat-template to allow that", param="chat_template")
+        options = ChatTemplateOptions(
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template or self.config.chat_template,
+            chat_template_kwargs={**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+            tools=body.tools, documents=body.documents, add_special_tokens=bool(body.add_special_tokens))
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], options)
+        except ChatInputError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
 
     def _check_prompt(self, ids: list[int], max_tokens: int | None, info: ModelInfo) -> None:
         if not ids:
@@ -187,7 +205,32 @@ class OpenAIIngress:
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=self.model_name, root=info.model_path, max_model_len=info.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=info.model_path, max_model_len=info.max_model_len)
+                               for name in self.model_names])
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": importlib.metadata.version("kvrelay")}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        body = await self._parse(request, TokenizeRequest)
+        info = await self._model_info()
+        if body.messages is not None:
+            ids = self._chat_ids(body)
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = self.tokenizer(body.prompt, add_special_tokens=add_special).input_ids
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        body = await self._parse(request, DetokenizeRequest)
+        info = await self._model_info()
+        if any(t >= info.vocab_size for t in body.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {info.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -223,13 +266,7 @@ class OpenAIIngress:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_fan_out(1, body.n)
         info = await self._model_info()
-        conversation = [m.model_dump(exclude_none=True) for m in body.messages]
-        for m in conversation:
-            m.setdefault("content", "")
-        try:
-            ids = chat_prompt_ids(self.tokenizer, conversation)
-        except Exception as e:
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        ids = self._chat_ids(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self._check_prompt(ids, max_tokens, info)
         k = (body.top_logprobs or 0) if body.logprobs else None

@@ -1,18 +1,21 @@
 """OpenAI API request and response models (field names and shapes as in the OpenAI API).
 
-Requests are strict: wrong types are refused rather than coerced, and unknown fields are refused as the
-OpenAI API refuses them. Fields beyond OpenAI's (`top_k`, `ignore_eos`, `priority`, `min_tokens`) follow
-vLLM, and clients send them through `extra_body`."""
+Requests are strict about the fields they know: wrong types are refused rather than coerced. Unknown
+fields are ignored (logged at debug level), as vLLM ignores them, so that clients written for other
+servers work. Fields beyond OpenAI's (`top_k`, `ignore_eos`, `priority`, `min_tokens`, the chat template
+options) follow vLLM, and clients send them through `extra_body`."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from workers.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
 
+logger = logging.getLogger(__name__)
 MAX_N = 128
 MAX_STOP_SEQUENCES = 16
 
@@ -31,7 +34,14 @@ def _as_list(value: Any) -> Any:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler):
+        if isinstance(data, dict) and (ignored := data.keys() - cls.model_fields.keys()):
+            logger.debug("%s: ignored unknown field(s) %s", cls.__name__, sorted(ignored))
+        return handler(data)
 
 
 class StreamOptions(_Strict):
@@ -74,15 +84,38 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[str | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Strict):
+    """vLLM's options for rendering `messages` with the chat template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_way_to_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(add_generation_prompt defaults to true: set it to false)")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveInt64 | None = None
     max_completion_tokens: PositiveInt64 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
 
     @model_validator(mode="after")
@@ -90,6 +123,27 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+
+class TokenizeRequest(_ChatTemplateFields):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` with the chat template options."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[NonNegativeInt64]
 
 
 # ---- responses --------------------------------------------------------------------------------------
@@ -202,6 +256,17 @@ class ModelCard(_Out):
     owned_by: str = "kvrelay"
     root: str | None = None
     max_model_len: int | None = None
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
 
 
 class ModelList(_Out):

@@ -220,7 +220,14 @@ def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, dict, int]]:
         ("invalid JSON", "/v1/completions", b'{"model": "x", "prompt": ', {**auth, "Content-Type": "application/json"}, 400),
         ("max_tokens as a string", "/v1/completions", {**ok, "max_tokens": "4"}, auth, 400),
         ("prompt as a number", "/v1/completions", {**ok, "prompt": 42}, auth, 400),
-        ("unknown field", "/v1/completions", {**ok, "frobnicate": True}, auth, 400),
+        ("known field of the wrong type", "/v1/chat/completions", {**chat, "add_generation_prompt": 1}, auth, 400),
+        ("image content part", "/v1/chat/completions",
+         {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, auth, 400),
+        ("untrusted request chat template", "/v1/chat/completions", {**chat, "chat_template": "{{ 1 }}"}, auth, 400),
+        ("token id outside the vocabulary to detokenize", "/detokenize", {"model": MODEL, "tokens": [10**9]}, auth, 400),
+        ("tokenize for an unknown model", "/tokenize", {"model": "gpt-5", "prompt": "x"}, auth, 404),
+        ("tokenize without an API key", "/tokenize", {"model": MODEL, "prompt": "x"}, {}, 401),
+        ("detokenize without an API key", "/detokenize", {"model": MODEL, "tokens": [1]}, {}, 401),
         ("missing prompt", "/v1/completions", {"model": MODEL}, auth, 400),
         ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}, auth, 400),
         ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, auth, 400),
@@ -258,6 +265,7 @@ def test_bad_requests_get_openai_errors(url, tokenizer):
         assert isinstance(err["message"], str) and err["message"], name
         assert isinstance(err["type"], str) and {"param", "code"} <= set(err), name
     assert http("GET", f"{url}/health")[0] == 200  # open without a key
+    assert http("GET", f"{url}/version")[0] == 200  # open without a key, as in vLLM
     assert http("GET", f"{url}/v1/models")[0] == 401
     status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4},
                         {"Authorization": f"Bearer {API_KEY}"})
