@@ -52,7 +52,8 @@ class IsolatedStep:
             if row is not None:
                 tokens.append(row[0])
                 logprobs.append(row[1])
-        prompt_lps = {rid: c for rid, c in self.output.prompt_logprobs.items() if rid not in {r.request_id for r in drop}}
+        dropped = {r.request_id for r in drop}
+        prompt_lps = {rid: c for rid, c in self.output.prompt_logprobs.items() if rid not in dropped}
         return IsolatedStep(kept, SampleOutput(tokens, logprobs, prompt_lps), self.failed)
 
 
