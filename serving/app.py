@@ -166,15 +166,27 @@ class OpenAIIngress:
                                    "fewer prompts", param="n")
 
     @staticmethod
-    def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(body, max_tokens: int | None, logprobs: int | None, info: ModelInfo,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+        if any(t >= info.vocab_size for t in bias):
+            raise OpenAIError(400, f"logit_bias token ids must be in [0, {info.vocab_size})", param="logit_bias")
         try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, min_tokens=body.min_tokens)
+                logprobs=logprobs, min_tokens=body.min_tokens, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0, min_p=body.min_p or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=bias or None, bad_words=body.bad_words,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            field = str(e).split(" ", 1)[0].split("[")[0]  # SamplingParams' messages start with the field
+            raise OpenAIError(400, str(e), param=field if field in type(body).model_fields else None) from None
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                       priority: int) -> list[RequestStream]:
@@ -250,12 +262,18 @@ class OpenAIIngress:
         body = await self._parse(request, CompletionRequest)
         info = await self._model_info()
         prompts = self._completion_prompts(body.prompt, body.n)
+        echo_only = body.echo and body.max_tokens == 0  # score the prompt: generate one token, show none
+        max_tokens = 1 if echo_only else body.max_tokens
         for ids in prompts:
-            self._check_prompt(ids, body.max_tokens, info)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+            self._check_prompt(ids, max_tokens, info)
+        echo_lp = body.logprobs if body.echo and body.prompt_logprobs is None else None
+        params = self._sampling_params(body, max_tokens, body.logprobs, info, echo_lp)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, prompts, params, body.priority)
         view = ResponseView(request_id, self.model_name, body.n, [len(p) for p in prompts], chat=False, logprobs=body.logprobs)
+        if body.echo:
+            view.echo([self._prompt_text(body.prompt, i, ids) for i, ids in enumerate(prompts)], prompts, echo_only,
+                      self.tokenizer.decode)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))
@@ -270,7 +288,7 @@ class OpenAIIngress:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self._check_prompt(ids, max_tokens, info)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, k)
+        params = self._sampling_params(body, max_tokens, k, info)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [ids], params, body.priority)
         view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k)
@@ -278,6 +296,14 @@ class OpenAIIngress:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))
         return JSONResponse((await view.collect(streams)).model_dump())
+
+    def _prompt_text(self, prompt, i: int, ids: list[int]) -> str:
+        """The `i`-th prompt as text, for echo: as sent, or decoded from its token ids."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and isinstance(prompt[i], str):
+            return prompt[i]
+        return self.tokenizer.decode(ids)
 
     def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
         """The prompts' token ids, once their number is checked (before any is tokenized)."""

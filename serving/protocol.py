@@ -2,8 +2,9 @@
 
 Requests are strict about the fields they know: wrong types are refused rather than coerced. Unknown
 fields are ignored (logged at debug level), as vLLM ignores them, so that clients written for other
-servers work. Fields beyond OpenAI's (`top_k`, `ignore_eos`, `priority`, `min_tokens`, the chat template
-options) follow vLLM, and clients send them through `extra_body`."""
+servers work. Fields beyond OpenAI's (`top_k`, `ignore_eos`, `priority`, `min_tokens`, `min_p`,
+`repetition_penalty`, `bad_words`, `prompt_logprobs`, the chat template options, ...) follow vLLM, and
+clients send them through `extra_body`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from workers.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
+from workers.sampling_params import (INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                     MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS)
 
 logger = logging.getLogger(__name__)
 MAX_N = 128
@@ -26,6 +28,9 @@ PositiveInt64 = Annotated[int, Field(ge=1, le=INT64_MAX)]
 NonNegativeInt64 = Annotated[int, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # JSON object keys are strings: "50256"
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]
 
 
 def _as_list(value: Any) -> Any:
@@ -62,8 +67,16 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: NonNegativeInt64 = 0
     priority: Int64 = 0
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
+    logit_bias: Annotated[dict[TokenIdKey, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Logprobs | None = None
     user: str | None = None
 
     @model_validator(mode="after")
@@ -75,11 +88,25 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: PositiveInt64 | None = 16
+    echo: bool = False  # the prompt (and, with logprobs, its tokens' logprobs) starts each choice
+    max_tokens: NonNegativeInt64 | None = 16  # 0 only with echo: score the prompt, generate nothing
     logprobs: Logprobs | None = None
-    echo: Literal[False] = False
-    suffix: None = None
+    suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value is not None:
+            raise ValueError("suffix is not supported by this server")
+        return value
 
 
 class ChatMessage(_Strict):
@@ -166,12 +193,22 @@ class CompletionLogprobs(_Out):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # vLLM's: None first, then token id -> logprob
+
+
 class CompletionChoice(_Out):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Out):
@@ -217,6 +254,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Out):

@@ -20,6 +20,7 @@ from workers.model_loader import load_hf_config, load_model, load_tokenizer, res
 from workers.model_runner import ModelRunner
 from workers.onednn_caches import bound_onednn_caches
 from workers.output_processor import OutputKind, OutputProcessor
+from workers.penalties import bad_words_token_ids
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
@@ -165,8 +166,15 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary size {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} ({getattr(params, name)}) exceeds the vocabulary size {self.vocab_size}")
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        if any(t >= self.vocab_size for w in bad_words for t in w):
+            raise ValueError(f"bad_words tokenize to ids outside the model's vocabulary of {self.vocab_size}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
         if kv_import is not None:
@@ -174,10 +182,13 @@ class Engine:
                 raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
                                  "(at least the last prompt token must be computed here)")
             self.runner.check_kv_payload(kv_import.num_tokens, kv_import.payload)
+            if params.prompt_logprobs is not None:
+                kv_import = None  # prompt logprobs need the prompt's logits: compute it here
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens, arrival,
                         priority, self.eos_token_id, parent_id=request_id, index=i,
-                        seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv)
+                        seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv,
+                        bad_words_token_ids=bad_words)
                 for i in range(params.n)]
         imported = self.scheduler.add_request(reqs[0], reqs[1:], kv_import.num_tokens if kv_import else 0)
         try:
@@ -237,7 +248,8 @@ class Engine:
             run = run.without({r for r in run.sched.requests if r.status.finished})
         self._computed_tokens += run.sched.total_num_tokens
         sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
-        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic())
+        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic(),
+                                                run.output.prompt_logprobs)
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs

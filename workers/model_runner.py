@@ -13,6 +13,8 @@ import torch
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.models.llama import LlamaForCausalLM
+from workers.penalties import bad_words_ban
+from workers.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs
 from workers.request import Request
 from workers.sampler import SampleOutput, sample
 from workers.scheduler import SchedulerOutput
@@ -129,18 +131,27 @@ class ModelRunner:
 
         samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
         logits_indices = query_start_loc[1:][samples] - 1
+        plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, query_start_loc[:-1].tolist())
 
         common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
                                          self.num_heads, self.num_kv_heads)
         ids = torch.tensor(input_ids)
-        if self.graphs is not None and len(samples) == len(reqs) and self.graphs.supports(common):
+        targets = None
+        if plan is None and self.graphs is not None and len(samples) == len(reqs) and self.graphs.supports(common):
             logits = self.graphs.run(ids, positions, common)
         else:
-            ids, positions, logits_indices = self._to_device([ids, positions, logits_indices])
+            parts = [ids, positions, logits_indices]
+            if plan is not None:
+                parts = [ids, positions, torch.cat([logits_indices, torch.tensor(plan.indices)]), torch.tensor(plan.targets)]
+            ids, positions, logits_indices, *targets = self._to_device(parts)
             logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
-        return self._sample(logits, [reqs[i] for i in samples])
+        if plan is None:
+            return self._sample(logits, [reqs[i] for i in samples])
+        return self._sample(logits[:len(samples)], [reqs[i] for i in samples], plan,
+                            plan.pack(logits[len(samples):], targets[0]))
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, sampled: list[Request], plan: PromptLogprobsPlan | None = None,
+                extra: torch.Tensor | None = None) -> SampleOutput:
         """Sample one row per request. Raises `RequestsFailed` naming the requests whose own inputs (seeded
         generator, ban list) could not be built; if sampling fails, seeded generators are put back as they
         were, so a retry draws the same noise."""
@@ -150,24 +161,31 @@ class ModelRunner:
         for r in sampled:
             try:
                 gens.append(self._generator(r.request_id, r.seed))
-                bans.append(_min_tokens_ban(r))
+                bans.append(_ban(r))
             except Exception as e:
                 failures[r.request_id] = f"{type(e).__name__}: {e}"
         if failures:
             raise RequestsFailed(failures)
         states = [(g, g.get_state()) for g in gens if g is not None]
+        histories = [(r.all_token_ids, r.num_prompt_tokens) for r in sampled]
         try:
-            return sample(logits, [r.sampling_params for r in sampled], gens, bans)
+            result = sample(logits, [r.sampling_params for r in sampled], gens, bans, histories, extra)
         except BaseException:
             for g, state in states:
                 g.set_state(state)
             raise
+        if plan is not None:
+            result.prompt_logprobs = plan.unpack(result.extra)
+        return result
 
 
-def _min_tokens_ban(req: Request) -> list[int] | None:
-    """Tokens that would stop the request before its `min_tokens` are out: EOS and the stop token ids."""
+def _ban(req: Request) -> list[int] | None:
+    """Tokens the request may not pick now: those that would stop it before its `min_tokens` are out (EOS
+    and the stop token ids), and the last tokens of bad words the output would complete."""
     p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
-        return None
-    eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
-    return eos + p.stop_token_ids or None
+    banned = []
+    if req.num_output_tokens < p.min_tokens:
+        banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
+    if req.bad_words_token_ids:
+        banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)
+    return banned or None

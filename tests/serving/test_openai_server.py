@@ -9,19 +9,19 @@ import time
 import aiohttp
 import openai
 import pytest
-from serving_helpers import API_KEY, http, metric_sum, scrape
+from serving_helpers import API_KEY, MAIN_APP_OPTIONS, http, metric_sum, scrape
 
 from serving import LLM, SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
-BODY_LIMIT = 1 << 20
+BODY_LIMIT = MAIN_APP_OPTIONS["max_request_body_bytes"]
 ENGINE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
-def url(deploy_app):
-    return deploy_app("main", api_key=API_KEY, max_request_body_bytes=BODY_LIMIT, **ENGINE)
+def url(main_app_url):
+    return main_app_url
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,37 @@ def test_valid_requests_parse():
     assert c.max_tokens is None and c.top_logprobs == 3 and c.stream_options.include_usage
 
 
+def test_vllm_sampling_fields_parse():
+    r = parse(CompletionRequest, {"model": "m", "prompt": [[1, 2]], "echo": True, "max_tokens": 0, "logprobs": 20,
+                                  "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.2,
+                                  "min_p": 0.1, "logit_bias": {"50256": -100, "7": 3}, "bad_words": ["x y"],
+                                  "include_stop_str_in_output": True, "skip_special_tokens": False,
+                                  "spaces_between_special_tokens": False, "prompt_logprobs": 0})
+    assert r.echo and r.max_tokens == 0 and r.logit_bias == {"50256": -100.0, "7": 3.0} and r.prompt_logprobs == 0
+    c = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "presence_penalty": 1.5, "bad_words": ["no"], "prompt_logprobs": 2})
+    assert c.presence_penalty == 1.5 and c.bad_words == ["no"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"model": "m", "prompt": "x", "n": True}, "n"),
     ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
     ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"12": 101}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"twelve": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "bad_words": [""]}, "bad_words"),
+    ({"model": "m", "prompt": "x", "bad_words": "word"}, "bad_words"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"model": "m", "prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "suffix": "!"}, "suffix"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
 ])
 def test_bad_values_name_the_field(body, param):
