@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from workers.structured_params import StructuredOutputsParams
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_N = 1024
@@ -37,8 +39,9 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k == -1` (or 0) and `top_p == 1` disable those filters; a
     `top_k` above the vocabulary size keeps the whole vocabulary. `stop` strings are matched on the
     detokenized text and excluded from it; `stop_token_ids` end the completion like EOS (and are kept in
-    the token ids, not in the text). Fields changed after construction are checked again by `validate()`,
-    which the engine calls on every request it takes.
+    the token ids, not in the text). `structured_outputs` constrains the output to a JSON schema, a regex,
+    a choice or a grammar (`StructuredOutputsParams`). Fields changed after construction are checked again
+    by `validate()`, which the engine calls on every request it takes.
     """
 
     n: int = 1
@@ -53,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +94,11 @@ class SamplingParams:
             check_int("each of stop_token_ids", token, 0)
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     def _check_stop(self) -> list[str]:
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
