@@ -27,6 +27,8 @@ from serving.errors import OpenAIError, from_validation_error, install_error_han
 from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
 from serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.structured_outputs import structured_outputs_for
+from serving.tool_calls import tool_plan
 from workers.messages import GenerateRequest, ModelInfo
 from workers.model_loader import load_tokenizer, resolve_model_path
 from workers.sampling_params import SamplingParams
@@ -148,13 +150,14 @@ class OpenAIIngress:
                                    "fewer prompts", param="n")
 
     @staticmethod
-    def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(body, max_tokens: int | None, logprobs: int | None, plan=None) -> SamplingParams:
+        structured = structured_outputs_for(body, plan)
         try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, min_tokens=body.min_tokens)
+                logprobs=logprobs, min_tokens=body.min_tokens, structured_outputs=structured)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
 
@@ -222,21 +225,22 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_fan_out(1, body.n)
+        plan = tool_plan(body, self.config.enable_auto_tool_choice, self.config.tool_call_parser)
         info = await self._model_info()
         conversation = [m.model_dump(exclude_none=True) for m in body.messages]
         for m in conversation:
             m.setdefault("content", "")
         try:
-            ids = chat_prompt_ids(self.tokenizer, conversation)
+            ids = chat_prompt_ids(self.tokenizer, conversation, tools=plan.tools)
         except Exception as e:
             raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self._check_prompt(ids, max_tokens, info)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, k)
+        params = self._sampling_params(body, max_tokens, k, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [ids], params, body.priority)
-        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k)
+        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k, tools=plan)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))
