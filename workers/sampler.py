@@ -57,11 +57,12 @@ class RowBitmask:
 
 
 def apply_token_bitmask(logits: torch.Tensor, allowed: RowBitmask) -> torch.Tensor:
-    """A copy of `logits` with the tokens each listed row may not take at -inf; other rows are untouched."""
-    k, vocab = allowed.rows.numel(), logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    keep = ((allowed.bits[:, :, None] >> shifts) & 1).view(k, -1)[:, :vocab].bool()
-    rows = logits[allowed.rows].masked_fill(~keep, float("-inf"))
+    """A copy of `logits` with the tokens each listed row may not take at -inf; other rows are untouched.
+    The listed rows are masked by xgrammar's kernel (C++ on the CPU, CUDA or Triton on a GPU)."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    rows = logits[allowed.rows]
+    apply_token_bitmask_inplace(rows, allowed.bits, vocab_size=logits.shape[-1])
     return logits.index_put((allowed.rows,), rows)
 
 
