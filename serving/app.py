@@ -29,6 +29,8 @@ from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                               ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from serving.structured_outputs import structured_outputs_for
+from serving.tool_calls import tool_plan
 from workers.messages import GenerateRequest, ModelInfo
 from workers.model_loader import load_tokenizer, resolve_model_path
 from workers.sampling_params import SamplingParams
@@ -125,8 +127,9 @@ class OpenAIIngress:
                                    f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
         return parsed
 
-    def _chat_ids(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
-        """The prompt of a chat request: its messages through the chat template, with vLLM's options."""
+    def _chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat request: its messages through the chat template, with vLLM's options;
+        `tools` (as the template sees them) in place of the body's."""
         if body.chat_template is not None and not self.config.trust_request_chat_template:
             raise OpenAIError(400, "this server does not accept a chat_template in requests; start it with "
                                    "--trust-request-chat-template to allow that", param="chat_template")
@@ -134,7 +137,8 @@ class OpenAIIngress:
             add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
             chat_template=body.chat_template or self.config.chat_template,
             chat_template_kwargs={**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
-            tools=body.tools, documents=body.documents, add_special_tokens=bool(body.add_special_tokens))
+            tools=body.tools if tools is None else tools, documents=body.documents,
+            add_special_tokens=bool(body.add_special_tokens))
         try:
             return chat_prompt_ids(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], options)
         except ChatInputError as e:
@@ -167,10 +171,11 @@ class OpenAIIngress:
 
     @staticmethod
     def _sampling_params(body, max_tokens: int | None, logprobs: int | None, info: ModelInfo,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None, plan=None) -> SamplingParams:
         bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
         if any(t >= info.vocab_size for t in bias):
             raise OpenAIError(400, f"logit_bias token ids must be in [0, {info.vocab_size})", param="logit_bias")
+        structured = structured_outputs_for(body, plan)
         try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -183,7 +188,8 @@ class OpenAIIngress:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
-                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                structured_outputs=structured)
         except ValueError as e:
             field = str(e).split(" ", 1)[0].split("[")[0]  # SamplingParams' messages start with the field
             raise OpenAIError(400, str(e), param=field if field in type(body).model_fields else None) from None
@@ -283,15 +289,16 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_fan_out(1, body.n)
+        plan = tool_plan(body, self.config.enable_auto_tool_choice, self.config.tool_call_parser)
         info = await self._model_info()
-        ids = self._chat_ids(body)
+        ids = self._chat_ids(body, plan.tools or None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self._check_prompt(ids, max_tokens, info)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, k, info)
+        params = self._sampling_params(body, max_tokens, k, info, plan=plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [ids], params, body.priority)
-        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k)
+        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k, tools=plan)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))

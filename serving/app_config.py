@@ -27,6 +27,10 @@ class AppConfig(BaseModel):
                                                          "chat_template_kwargs override them.")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and "
                                    "/detokenize (or set KVRELAY_API_KEY).")
+    enable_auto_tool_choice: bool = Field(False, description="Serve tool_choice \"auto\" (the default when a request "
+                                          "has tools): the model may call tools, found by --tool-call-parser.")
+    tool_call_parser: str | None = Field(None, description="How tool calls are found in the output "
+                                                       "for tool_choice auto: hermes (<tool_call>{json}</tool_call>).")
     num_replicas: int | None = Field(None, ge=1, description="Fixed number of engine replicas (turns autoscaling off).")
     min_replicas: int = Field(1, ge=0, description="Autoscaling: fewest engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Autoscaling: most engine replicas (autoscaling is on when > min).")
@@ -88,6 +92,15 @@ class AppConfig(BaseModel):
     def _template_text(cls, value: str | None) -> str | None:
         """Read a template file once, here, so that the ingress replicas get its text."""
         return load_chat_template(value)
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes)")
+        return self
 
     @model_validator(mode="after")
     def _check_bounds(self):
@@ -183,6 +196,7 @@ class AppConfig(BaseModel):
                 "graceful_shutdown_timeout_s": self.drain_timeout_s + 2 * DRAIN_MARGIN_S}
 
 
+TOOL_CALL_PARSERS = ("hermes",)
 DRAIN_POLL_S = 0.5
 DRAIN_MARGIN_S = 10.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}

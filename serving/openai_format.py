@@ -1,4 +1,5 @@
-"""Engine outputs to OpenAI responses: accumulate deltas per choice, render logprobs both ways, stream SSE.
+"""Engine outputs to OpenAI responses: accumulate deltas per choice, render logprobs both ways, turn tool
+output into `tool_calls`, stream SSE.
 
 Completions with `echo` start each choice with its prompt: the text, and with logprobs the prompt's tokens
 and their logprobs (the first token's null), as vLLM does; `max_tokens: 0` shows the prompt alone."""
@@ -16,8 +17,9 @@ from serving.engine_client import EngineError, RequestStream
 from serving.errors import OpenAIError
 from serving.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionResponse,
                               ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-                              CompletionChunk, CompletionLogprobs, CompletionResponse, DeltaMessage, PromptLogprob,
-                              PromptLogprobs, TopLogprob, Usage)
+                              CompletionChunk, CompletionLogprobs, CompletionResponse, DeltaFunctionCall, DeltaMessage,
+                              DeltaToolCall, PromptLogprob, PromptLogprobs, TopLogprob, Usage)
+from serving.tool_calls import ToolMode, ToolPlan, finish_reason, new_call_id, parse_tool_calls
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -106,8 +108,10 @@ class ResponseView:
     """One OpenAI request's view of its engine requests: indexes choices, accumulates, renders."""
 
     def __init__(self, request_id: str, model: str, n: int, prompt_lens: list[int], chat: bool,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, tools: ToolPlan | None = None) -> None:
         self.request_id, self.model, self.n, self.chat, self.k = request_id, model, n, chat, logprobs
+        self.tools = tools if tools is not None and tools.calls_tools else None
+        self._named_started: set[int] = set()
         self.prompt_lens = prompt_lens
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(n * len(prompt_lens))]
@@ -154,11 +158,14 @@ class ResponseView:
             for s in streams:
                 s.close()
         if self.chat:
-            choices = [ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=None if self.k is None else chat_logprobs(c.token_ids, c.logprobs, self.k))
-                for i, c in enumerate(self.choices)]
+            choices = []
+            for i, c in enumerate(self.choices):
+                content, calls = parse_tool_calls(self.tools, c.text) if self.tools else (c.text, [])
+                choices.append(ChatCompletionChoice(
+                    index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
+                    finish_reason=finish_reason(self.tools, calls, c.finish_reason) if self.tools else c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=None if self.k is None else chat_logprobs(c.token_ids, c.logprobs, self.k)))
             return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage(),
                                           prompt_logprobs=_prompt_logprobs_json(self.prompt_logprobs[0]))
         choices = []
@@ -194,8 +201,12 @@ class ResponseView:
                     self._echoed.add(i)
                     offset = len(state.text) + (len(self._echo.texts[p]) if self._echo and not first else 0)
                     state.add(c)
-                    yield _event(self._chunk(i, self._with_prompt(p, c, first), offset,
-                                             self.prompt_logprobs[p] if first else None))
+                    if self.tools is not None:
+                        for chunk in self._tool_chunks(i, c, state, offset):
+                            yield _event(chunk)
+                    else:
+                        yield _event(self._chunk(i, self._with_prompt(p, c, first), offset,
+                                                 self.prompt_logprobs[p] if first else None))
             if include_usage:
                 chunk_cls = ChatCompletionChunk if self.chat else CompletionChunk
                 yield _event(chunk_cls(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -206,6 +217,33 @@ class ResponseView:
             for s in streams:
                 s.close()
         yield "data: [DONE]\n\n"
+
+    def _tool_chunks(self, i: int, c, state: ChoiceState, offset: int) -> list[ChatCompletionChunk]:
+        """A named call streams its arguments as they come (the name first); "required" and "auto" output
+        is parsed when the choice ends, then sent as one delta of content and/or tool calls."""
+        def chunk(delta: DeltaMessage, reason: str | None = None, lp=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
+                ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason)])
+
+        lp = None if self.k is None else chat_logprobs(c.token_ids, c.logprobs or [], self.k)
+        if self.tools.mode is ToolMode.NAMED:
+            chunks = []
+            if i not in self._named_started:
+                self._named_started.add(i)
+                chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id=new_call_id(), type="function",
+                    function=DeltaFunctionCall(name=self.tools.name, arguments=""))])))
+            chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, function=DeltaFunctionCall(arguments=c.text))]), c.finish_reason, lp))
+            return chunks
+        if c.finish_reason is None:
+            return [chunk(DeltaMessage(), None, lp)] if lp is not None else []
+        content, calls = parse_tool_calls(self.tools, state.text)
+        deltas = [DeltaToolCall(index=j, id=call.id, type="function",
+                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                  for j, call in enumerate(calls)]
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        return [chunk(delta, finish_reason(self.tools, calls, c.finish_reason), lp)]
 
     def _chunk(self, i: int, c, offset: int, prompt_logprobs=None):
         if self.chat:

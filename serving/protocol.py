@@ -3,8 +3,8 @@
 Requests are strict about the fields they know: wrong types are refused rather than coerced. Unknown
 fields are ignored (logged at debug level), as vLLM ignores them, so that clients written for other
 servers work. Fields beyond OpenAI's (`top_k`, `ignore_eos`, `priority`, `min_tokens`, `min_p`,
-`repetition_penalty`, `bad_words`, `prompt_logprobs`, the chat template options, ...) follow vLLM, and
-clients send them through `extra_body`."""
+`repetition_penalty`, `bad_words`, `prompt_logprobs`, the chat template options, `structured_outputs` and
+the older `guided_*` fields, ...) follow vLLM, and clients send them through `extra_body`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,35 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` request field (exactly one constraint; checked when it is used)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_Strict):
     model: str
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -78,6 +107,12 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Logprobs | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -118,6 +153,27 @@ class ChatMessage(_Strict):
     reasoning: str | None = None
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class _ChatTemplateFields(_Strict):
     """vLLM's options for rendering `messages` with the chat template."""
 
@@ -144,6 +200,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: PositiveInt64 | None = None
     logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -234,9 +293,21 @@ class ChatChoiceLogprobs(_Out):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(_Out):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(_Out):
@@ -257,9 +328,22 @@ class ChatCompletionResponse(_Out):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Out):

@@ -28,6 +28,7 @@ from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sizing import gpu_kv_budget, num_kv_blocks, resolve_device, resolve_max_model_len
 from workers.step_isolation import execute_isolating
+from workers.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -90,8 +91,10 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             self.max_model_len),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
+        self.structured = StructuredOutputManager(self.tokenizer, self.model.args.vocab_size, config.max_num_seqs,
+                                                  self.device)
         self.runner = ModelRunner(self.model, attn, self.num_kv_blocks, config.block_size, self.dtype, config.seed,
-                                  self.device)
+                                  self.device, self.structured)
         if self.device.type == "cuda" and not config.enforce_eager and attn.name == "triton":
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -177,6 +180,7 @@ class Engine:
             raise ValueError(f"bad_words tokenize to ids outside the model's vocabulary of {self.vocab_size}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
+        grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         if kv_import is not None:
             if not 0 < kv_import.num_tokens < len(ids):
                 raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
@@ -194,6 +198,8 @@ class Engine:
         try:
             if imported:
                 self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
+            if grammar is not None:
+                self.structured.add(reqs, grammar)
             self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind,
                                      arrival, imported)
         except BaseException:
@@ -248,11 +254,26 @@ class Engine:
             run = run.without({r for r in run.sched.requests if r.status.finished})
         self._computed_tokens += run.sched.total_num_tokens
         sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
-        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic(),
+        logprobs = run.output.logprobs
+        if self.structured.active:
+            sampled, logprobs = self._advance_grammars(sampled, logprobs)
+        outputs, stopped = self.outputs.process(sampled, logprobs, time.monotonic(),
                                                 run.output.prompt_logprobs)
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs
+
+    def _advance_grammars(self, sampled: list[Request], logprobs: list) -> tuple[list[Request], list]:
+        """Feed the new tokens to the requests' grammars: a grammar that has ended ends its request
+        ("stop"); a token a grammar refuses fails its whole request. Returns the sequences that go on, with
+        their logprobs."""
+        ended, refused = self.structured.accept(sampled)
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
+        if not refused:
+            return sampled, logprobs
+        self._fail(refused)
+        kept = [(r, lp) for r, lp in zip(sampled, logprobs) if (r.parent_id or r.request_id) not in self.failed]
+        return [r for r, _ in kept], [lp for _, lp in kept]
 
     def _fail(self, failed: dict[Request, str]) -> None:
         """Abort each failed sequence's whole request (all `n` of its sequences) and record its error."""

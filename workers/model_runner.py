@@ -19,12 +19,15 @@ from workers.request import Request
 from workers.sampler import SampleOutput, sample
 from workers.scheduler import SchedulerOutput
 from workers.step_isolation import RequestsFailed
+from workers.structured_output import StructuredOutputManager
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+                 structured: StructuredOutputManager | None = None) -> None:
         a = model.args
+        self.structured = structured
         self.model = model
         self.attn = attn
         self.block_size = block_size
@@ -66,9 +69,11 @@ class ModelRunner:
         return list(dev.split([p.numel() for p in parts]))
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests' seeded generators."""
+        """Forget finished requests' seeded generators and grammar matchers."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+        if self.structured is not None:
+            self.structured.release(request_ids)
 
     def check_kv_payload(self, num_tokens: int, payload: torch.Tensor) -> None:
         """Raise ValueError unless `payload` is `num_tokens` tokens of KV in this cache's layout."""
@@ -154,7 +159,8 @@ class ModelRunner:
                 extra: torch.Tensor | None = None) -> SampleOutput:
         """Sample one row per request. Raises `RequestsFailed` naming the requests whose own inputs (seeded
         generator, ban list) could not be built; if sampling fails, seeded generators are put back as they
-        were, so a retry draws the same noise."""
+        were, so a retry draws the same noise. Grammar-constrained rows sample from their allowed tokens."""
+        allowed = self.structured.bitmask(sampled) if self.structured is not None else None
         gens: list[torch.Generator | None] = []
         bans: list[list[int] | None] = []
         failures: dict[str, str] = {}
@@ -169,7 +175,7 @@ class ModelRunner:
         states = [(g, g.get_state()) for g in gens if g is not None]
         histories = [(r.all_token_ids, r.num_prompt_tokens) for r in sampled]
         try:
-            result = sample(logits, [r.sampling_params for r in sampled], gens, bans, histories, extra)
+            result = sample(logits, [r.sampling_params for r in sampled], gens, bans, histories, extra, allowed)
         except BaseException:
             for g, state in states:
                 g.set_state(state)

@@ -1,9 +1,10 @@
 """Turning the step's logits into tokens, vectorised over the rows that sample.
 
 Rows still short of `min_tokens` cannot pick the tokens that would stop them (EOS, stop token ids), nor
-the last token of a bad word; then logit bias and penalties apply (`workers/penalties.py`), to greedy rows
-too. The logprobs reported are the model's own, before all that. Greedy rows take the argmax. Random rows
-apply temperature, min_p, top-k and top-p, then sample by the
+the last token of a bad word; rows under a grammar only take the tokens its bitmask allows; then logit
+bias and penalties apply (`workers/penalties.py`), to greedy rows too. The logprobs reported are the
+model's own, before all that. Greedy rows take the argmax. Random rows apply temperature, min_p, top-k
+and top-p, then sample by the
 exponential-race trick (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw their noise from
 their own generator while the rest share one draw."""
 
@@ -52,15 +53,37 @@ def _mask_banned(logits: torch.Tensor, banned: list[list[int] | None]) -> torch.
     return logits.index_put((row_idx, tok_idx), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
 
 
+@dataclass(slots=True)
+class RowBitmask:
+    """The tokens some rows may take (a grammar's next tokens): `bits[i]` packs row `rows[i]`'s allowed
+    tokens as xgrammar does, int32 words with bit j of word w standing for token 32 * w + j."""
+
+    rows: torch.Tensor  # [k] int64, on the logits' device
+    bits: torch.Tensor  # [k, ceil(vocab / 32)] int32, on the logits' device
+
+
+def apply_token_bitmask(logits: torch.Tensor, allowed: RowBitmask) -> torch.Tensor:
+    """A copy of `logits` with the tokens each listed row may not take at -inf; other rows are untouched.
+    The listed rows are masked by xgrammar's kernel (C++ on the CPU, CUDA or Triton on a GPU)."""
+    from xgrammar import apply_token_bitmask_inplace
+
+    rows = logits[allowed.rows]
+    apply_token_bitmask_inplace(rows, allowed.bits, vocab_size=logits.shape[-1])
+    return logits.index_put((allowed.rows,), rows)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
-           extra: torch.Tensor | None = None) -> SampleOutput:
+           extra: torch.Tensor | None = None, allowed: RowBitmask | None = None) -> SampleOutput:
     """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
     logprobs run in float32 on the rows that need them); one `params`, optional generator, optional
     list of banned token ids and token history (needed by rows with penalties) per row. `extra`, a flat
-    tensor on the device, comes back to the host in the same copy as the tokens (`SampleOutput.extra`)."""
+    tensor on the device, comes back to the host in the same copy as the tokens (`SampleOutput.extra`);
+    `allowed`: the tokens that grammar-constrained rows may take."""
     raw = logits
     logits = _mask_banned(logits, banned or [])
+    if allowed is not None:
+        logits = apply_token_bitmask(logits, allowed)
     logits = adjust_logits(logits, params, histories or [])
     greedy_tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~3x faster on the CPU
     random_rows = [i for i, p in enumerate(params) if not p.greedy]

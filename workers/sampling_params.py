@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from workers.structured_params import StructuredOutputsParams
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_N = 1024
@@ -49,8 +51,9 @@ class SamplingParams:
     detokenized text and excluded from it; `stop_token_ids` end the completion like EOS (and are kept in
     the token ids, not in the text) unless `include_stop_str_in_output`. Penalties, `min_p`, `logit_bias` and
     `bad_words` have vLLM's meanings (see `workers/penalties.py`); `prompt_logprobs` asks for the top
-    log-probabilities at each prompt position. Fields changed after construction are checked again by `validate()`,
-    which the engine calls on every request it takes.
+    log-probabilities at each prompt position. `structured_outputs` constrains the output to a JSON
+    schema, a regex, a choice or a grammar (`StructuredOutputsParams`). Fields changed after construction are checked again by `validate()`, which the engine calls on every
+    request it takes.
     """
 
     n: int = 1
@@ -74,6 +77,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +116,11 @@ class SamplingParams:
             check_int("each of stop_token_ids", token, 0)
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
 
     def _check_logit_adjustments(self) -> None:
         """Penalties, min_p, logit_bias, bad_words and prompt_logprobs."""

@@ -4,9 +4,12 @@ default model. float32 so greedy outputs are comparable token for token with the
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
 from serving_helpers import API_KEY, MAIN_APP_OPTIONS, http, metric_sum, scrape
@@ -244,6 +247,11 @@ def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, dict, int]]:
         ("empty messages", "/v1/chat/completions", {**chat, "messages": []}, auth, 400),
         ("unknown message role", "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}, auth, 400),
         ("top_logprobs without logprobs", "/v1/chat/completions", {**chat, "top_logprobs": 2}, auth, 400),
+        ("invalid JSON schema", "/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, auth, 400),
+        ("invalid guided_regex", "/v1/completions", {**ok, "guided_regex": "(a"}, auth, 400),
+        ("tool_choice names no tool", "/v1/chat/completions", {**chat, "tools": [WEATHER_TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "nope"}}}, auth, 400),
         ("unknown model", "/v1/completions", {**ok, "model": "gpt-5"}, auth, 404),
         ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, auth, 404),
         ("missing API key", "/v1/completions", ok, {}, 401),
@@ -283,3 +291,73 @@ def test_openai_client_raises_on_errors(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="x")
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                               "required": ["city"], "additionalProperties": False}}}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_response_format_json_schema_and_guided_choice(client, offline):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    resp = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=40, temperature=0,
+                                          response_format=fmt)
+    jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    choices = ["positive", "negative"]
+    review = [{"role": "user", "content": "Is 'I loved it' positive or negative?"}]
+    picked = client.chat.completions.create(model=MODEL, messages=review, max_tokens=8, temperature=0,
+                                            extra_body={"guided_choice": choices})
+    assert picked.choices[0].message.content in choices
+    regex = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": " [12][0-9]{3}"}})
+    assert re.fullmatch(" [12][0-9]{3}", regex.choices[0].text)
+
+
+def test_bad_schema_is_400_naming_the_field(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema") as e:
+        client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=4, response_format=fmt)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_tool_choice_required_and_named_return_tool_calls(client):
+    required = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                              tool_choice="required", max_tokens=40, temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice=named,
+                                          max_tokens=30, temperature=0)
+    call = resp.choices[0].message.tool_calls[0]
+    assert resp.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                                 tool_choice=named, max_tokens=30, temperature=0, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    streamed = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                                   tool_choice="required", max_tokens=40, temperature=0, stream=True))
+    calls = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == \
+        [(tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls]
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_auto_and_none_answer(client):
+    auto = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], max_tokens=12,
+                                          temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    assert none.choices[0].message.content and not none.choices[0].message.tool_calls
