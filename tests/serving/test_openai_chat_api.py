@@ -102,7 +102,8 @@ def test_chat_content_parts_names_tools_and_template_options(client, tokenizer):
                   {"role": "assistant", "content": None, "tool_calls": [call]},
                   {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
-    resp = client.chat.completions.create(model=NAME, messages=tools_chat, tools=tools, max_tokens=1)
+    resp = client.chat.completions.create(model=NAME, messages=tools_chat, tools=tools, tool_choice="none",
+                                          max_tokens=1)
     assert resp.usage.prompt_tokens == len(served_ids(tokenizer, tools_chat))
 
     # max_completion_tokens wins over max_tokens, as in vLLM
