@@ -1,6 +1,7 @@
-"""Runs one scheduled step: flattens every request's new tokens into one unpadded batch, builds
-positions, slot mapping and block tables (the step's `CommonAttentionMetadata`, from which the attention
-backend builds its own metadata), runs the model, and samples for the requests that finished their chunk.
+"""Runs one scheduled step: its `StepInputs` (`workers/step_inputs.py`: one unpadded batch with positions,
+slot mapping and block tables, the `CommonAttentionMetadata` from which the attention backend builds its
+own metadata) go through the model, and the requests that finished their chunk sample. Under tensor
+parallelism every rank runs one of these over its shard of the model and of the KV cache.
 
 Device-agnostic: inputs are built on the host and reach the device in one copy (from a pinned buffer on
 CUDA), and the sampled ids and logprobs come back in one copy. Decode-only steps replay CUDA graphs when
@@ -13,9 +14,9 @@ import torch
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.models.llama import LlamaForCausalLM
-from workers.request import Request
 from workers.sampler import SampleOutput, sample
 from workers.scheduler import SchedulerOutput
+from workers.step_inputs import SampleSpec, StepInputs, build_step_inputs
 from workers.step_isolation import RequestsFailed
 
 
@@ -27,10 +28,10 @@ class ModelRunner:
         self.attn = attn
         self.block_size = block_size
         self.device = torch.device(device)
-        self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
+        self.num_heads, self.num_kv_heads = model.part.num_heads, model.part.num_kv_heads  # this rank's heads
         # One allocation for the whole cache; zeroed so that masked-out slots never hold NaN.
-        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
-                                    device=self.device)
+        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim,
+                                    dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -62,6 +63,12 @@ class ModelRunner:
         torch.cat(parts, out=flat)
         dev = flat.to(self.device, non_blocking=True)
         return list(dev.split([p.numel() for p in parts]))
+
+    async def check_alive(self, timeout_s: float = 10.0) -> None:
+        """A model in this process is alive while the process is (see `TPModelRunner.check_alive`)."""
+
+    def close(self) -> None:
+        """Nothing to stop (see `TPModelRunner.close`)."""
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' seeded generators."""
@@ -109,65 +116,39 @@ class ModelRunner:
         self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
-        bs = self.block_size
-        reqs = out.requests
-        starts = [r.num_computed_tokens for r in reqs]
-        input_ids: list[int] = []
-        for r, s, n in zip(reqs, starts, out.num_new_tokens):
-            input_ids.extend(r.all_token_ids[s:s + n])
-        query_lens = torch.tensor(out.num_new_tokens)
-        start_t = torch.tensor(starts)
-        context_lens = start_t + query_lens
-        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.long)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - query_start_loc[:-1], query_lens)
+        return self.run(build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads))
 
-        width = max(len(r.block_ids) for r in reqs)
-        block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
-        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+    def run(self, step: StepInputs) -> SampleOutput:
+        """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`)."""
+        self.release(step.released)
+        return self._sample(self.forward(step), step.samples)
 
-        samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
-        logits_indices = query_start_loc[1:][samples] - 1
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The logits of the step's `logits_indices` rows (a decode-only step replays a CUDA graph when
+        one is captured for its size)."""
+        common = step.common
+        if self.graphs is not None and len(step.samples) == common.query_lens.shape[0] and self.graphs.supports(common):
+            return self.graphs.run(step.input_ids, step.positions, common)
+        ids, positions, logits_indices = self._to_device([step.input_ids, step.positions, step.logits_indices])
+        return self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
 
-        common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
-                                         self.num_heads, self.num_kv_heads)
-        ids = torch.tensor(input_ids)
-        if self.graphs is not None and len(samples) == len(reqs) and self.graphs.supports(common):
-            logits = self.graphs.run(ids, positions, common)
-        else:
-            ids, positions, logits_indices = self._to_device([ids, positions, logits_indices])
-            logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
-        return self._sample(logits, [reqs[i] for i in samples])
-
-    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> SampleOutput:
-        """Sample one row per request. Raises `RequestsFailed` naming the requests whose own inputs (seeded
-        generator, ban list) could not be built; if sampling fails, seeded generators are put back as they
-        were, so a retry draws the same noise."""
+    def _sample(self, logits: torch.Tensor, specs: list[SampleSpec]) -> SampleOutput:
+        """Sample one row per request. Raises `RequestsFailed` naming the requests whose seeded generator
+        could not be built; if sampling fails, seeded generators are put back as they were, so a retry
+        draws the same noise."""
         gens: list[torch.Generator | None] = []
-        bans: list[list[int] | None] = []
         failures: dict[str, str] = {}
-        for r in sampled:
+        for spec in specs:
             try:
-                gens.append(self._generator(r.request_id, r.seed))
-                bans.append(_min_tokens_ban(r))
+                gens.append(self._generator(spec.request_id, spec.seed))
             except Exception as e:
-                failures[r.request_id] = f"{type(e).__name__}: {e}"
+                failures[spec.request_id] = f"{type(e).__name__}: {e}"
         if failures:
             raise RequestsFailed(failures)
         states = [(g, g.get_state()) for g in gens if g is not None]
         try:
-            return sample(logits, [r.sampling_params for r in sampled], gens, bans)
+            return sample(logits, [s.params for s in specs], gens, [s.ban for s in specs])
         except BaseException:
             for g, state in states:
                 g.set_state(state)
             raise
-
-
-def _min_tokens_ban(req: Request) -> list[int] | None:
-    """Tokens that would stop the request before its `min_tokens` are out: EOS and the stop token ids."""
-    p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
-        return None
-    eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
-    return eos + p.stop_token_ids or None
