@@ -76,6 +76,9 @@ class EngineWorker:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
+        if engine_config.tensor_parallel_size > 1 and role != "colocated":
+            raise ValueError(f"a {role} replica cannot hand off KV with tensor_parallel_size "
+                             f"{engine_config.tensor_parallel_size}: P/D disaggregation needs tensor_parallel_size 1")
         self.admission = AdmissionPolicy(max_waiting_requests, engine_config.max_num_seqs)
         self.engine = Engine(engine_config)
         self.metrics = EngineMetrics(self.replica_id)
@@ -229,6 +232,7 @@ class EngineWorker:
             message = f"the engine loop of replica {self.replica_id} has stopped"
             self._fail_in_flight(message)
             raise EngineLoopStopped(message)
+        await self.engine.runner.check_alive()  # tensor-parallel ranks: a lost one fails the replica
         failed = self.loop.consecutive_failed_steps
         if failed >= self.max_failed_steps:
             raise RuntimeError(f"the last {failed} engine steps of replica {self.replica_id} failed "
@@ -248,11 +252,15 @@ class EngineWorker:
                 "engine_ready": self._startup.engine_ready}
 
     def shutdown(self) -> None:
-        """Stop the engine loop, then close the KV sender or receiver (their threads, stores and groups).
+        """Stop the engine loop and its tensor-parallel ranks, then close the KV sender or receiver (their
+        threads, stores and groups).
         Serve calls `__del__` when it shuts the replica down; attributes may be missing if `__init__` failed."""
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
         for end in (getattr(self, "_sender", None), getattr(self, "_receiver", None)):
             if end is not None:
                 end.close()
