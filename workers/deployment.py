@@ -109,6 +109,11 @@ class EngineWorker:
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
                                 "holds KV for a hand-off (hold_kv)")
             return
+        lost = self.engine.runner.unavailable
+        if lost is not None:
+            yield Rejected(503, f"replica {self.replica_id} cannot run its model ({lost}); it is being replaced, "
+                                "retry", "service_unavailable", RETRY_AFTER_S)
+            return
         shed = self._admit(request)
         if shed is not None:
             yield shed

@@ -64,6 +64,11 @@ class ModelRunner:
         dev = flat.to(self.device, non_blocking=True)
         return list(dev.split([p.numel() for p in parts]))
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no step can run any more (see `TPModelRunner`); a model in this process always can."""
+        return None
+
     async def check_alive(self, timeout_s: float = 10.0) -> None:
         """A model in this process is alive while the process is (see `TPModelRunner.check_alive`)."""
 

@@ -58,7 +58,7 @@ class TPModelRunner:
         args = ModelArgs.from_hf_config(hf_config)
         self.part = args.partition(TPShard(0, size))  # raises unless the model splits `size` ways
         self.block_size, self.timeout_s = config.block_size, config.distributed_timeout_s
-        self.dead: str | None = None
+        self.unavailable: str | None = None  # why no step can run any more: a rank was lost
         self._released: list[str] = []
         _ensure_ray(size)
         threads = max(1, (config.num_threads or 1) // size)
@@ -112,8 +112,8 @@ class TPModelRunner:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        if self.dead is not None:
-            raise RunnerUnavailable(self.dead)
+        if self.unavailable is not None:
+            raise RunnerUnavailable(self.unavailable)
         deadline = time.monotonic() + timeout_s
         pending, error = list(refs), None
         while pending:
@@ -132,7 +132,7 @@ class TPModelRunner:
         return ray.get(refs)
 
     def _lose(self, reason: str) -> None:
-        self.dead = reason
+        self.unavailable = reason
         self.close()
         raise RunnerUnavailable(reason)
 
@@ -141,8 +141,8 @@ class TPModelRunner:
         mid-step)."""
         from ray.exceptions import RayActorError
 
-        if self.dead is not None:
-            raise RunnerUnavailable(self.dead)
+        if self.unavailable is not None:
+            raise RunnerUnavailable(self.unavailable)
         try:
             await asyncio.wait_for(asyncio.gather(*(w.ping.remote() for w in self.workers)), timeout_s)
         except RayActorError as e:

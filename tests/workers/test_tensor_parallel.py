@@ -77,7 +77,7 @@ def test_smollm2_tp3_matches_one_process(ray_session, default_model_dir, prompts
 
 def test_a_killed_rank_fails_the_step_the_health_check_and_the_requests(ray_session, tiny_model_dir):
     from workers.deployment import EngineWorker
-    from workers.messages import Accepted, GenerateRequest
+    from workers.messages import Accepted, GenerateRequest, Rejected
 
     worker = EngineWorker({"model": tiny_model_dir, "dtype": "float32", "num_kv_blocks": 64, "num_threads": 2,
                            "tensor_parallel_size": 2, "distributed_timeout_s": 60})
@@ -105,5 +105,11 @@ def test_a_killed_rank_fails_the_step_the_health_check_and_the_requests(ray_sess
         with pytest.raises(RunnerUnavailable, match="rank"):
             asyncio.run(worker.check_health())
         assert worker.engine.runner.workers == []  # the survivors were stopped too
+
+        async def refused():
+            return await worker.generate("ingress", GenerateRequest("later", [1, 2], SamplingParams())).__anext__()
+
+        rejected = asyncio.run(refused())
+        assert isinstance(rejected, Rejected) and rejected.status == 503 and "replaced" in rejected.message
     finally:
         worker.shutdown()
