@@ -82,10 +82,6 @@ class AppConfig(BaseModel):
         if not self.disaggregate:
             return self
         prefill, decode = self.pool_engine("prefill"), self.pool_engine("decode")
-        sizes = {pool: e.tensor_parallel_size for pool, e in (("prefill", prefill), ("decode", decode))}
-        if max(sizes.values()) > 1:
-            raise ValueError(f"disaggregate needs tensor_parallel_size 1 in both pools (got prefill {sizes['prefill']}, "
-                             f"decode {sizes['decode']}): KV hand-off between tensor-parallel replicas is not supported")
         diffs = [f"{name} {getattr(prefill, name)!r} vs {getattr(decode, name)!r}"
                  for name in ("model", "dtype", "block_size") if getattr(prefill, name) != getattr(decode, name)]
         if diffs:

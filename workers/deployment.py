@@ -76,9 +76,6 @@ class EngineWorker:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
-        if engine_config.tensor_parallel_size > 1 and role != "colocated":
-            raise ValueError(f"a {role} replica cannot hand off KV with tensor_parallel_size "
-                             f"{engine_config.tensor_parallel_size}: P/D disaggregation needs tensor_parallel_size 1")
         self.admission = AdmissionPolicy(max_waiting_requests, engine_config.max_num_seqs)
         self.engine = Engine(engine_config)
         self.metrics = EngineMetrics(self.replica_id)

@@ -6,7 +6,11 @@ the ranks run the layers in lockstep (their collectives join them) and rank 0 re
 Inside a Serve replica the ranks take the bundles of the replica's placement group, one each; elsewhere
 (`LLM`) they are plain actors. A rank that dies or does not answer within `distributed_timeout_s` makes
 the runner unavailable for good: the step raises `RunnerUnavailable`, every rank is killed (a survivor
-may be stuck in a collective), and `check_alive` fails, so the replica reports unhealthy."""
+may be stuck in a collective), and `check_alive` fails, so the replica reports unhealthy.
+
+KV hand-off (P/D): a request's KV leaves and arrives in the payload layout of `workers/kv_transfer` with
+all KV heads, so a tensor-parallel pool hands off to a pool of any size; the replica gathers the ranks'
+head ranges on export and sends each rank its heads on import."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.models.llama import ModelArgs
+from workers.model_runner import ModelRunner
 from workers.model_setup import kv_blocks
 from workers.sampler import SampleOutput
 from workers.scheduler import SchedulerOutput
@@ -57,6 +62,7 @@ class TPModelRunner:
         size = config.tensor_parallel_size
         args = ModelArgs.from_hf_config(hf_config)
         self.part = args.partition(TPShard(0, size))  # raises unless the model splits `size` ways
+        self.kv_ranges = [args.partition(TPShard(rank, size)).kv_heads for rank in range(size)]
         self.block_size, self.timeout_s = config.block_size, config.distributed_timeout_s
         self.unavailable: str | None = None  # why no step can run any more: a rank was lost
         self._released: list[str] = []
@@ -87,9 +93,10 @@ class TPModelRunner:
             self.close()
             raise
         self.device = torch.device(devices[0])
-        # The cache's logical shape (all KV heads); its shards live in the ranks.
-        self.kv_cache = torch.empty(args.num_layers, 2, self.num_kv_blocks, self.block_size, args.num_kv_heads,
-                                    args.head_dim, dtype=dtype, device="meta")
+        # The cache's logical shape (all KV heads) with no memory behind it: its shards live in the ranks, and
+        # KV payloads pass through this process on the CPU.
+        self.kv_cache = torch.zeros((), dtype=dtype).expand(args.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                                            args.num_kv_heads, args.head_dim)
         self.last_broadcast_s = 0.0
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
@@ -152,14 +159,23 @@ class TPModelRunner:
         """Forget finished requests' seeded generators (on rank 0, with the next step)."""
         self._released += request_ids
 
-    def check_kv_payload(self, num_tokens: int, payload: torch.Tensor) -> None:
-        raise ValueError("KV hand-off (prefill/decode pools) is not supported with tensor_parallel_size > 1")
-
-    def import_kv(self, block_ids: list[int], num_tokens: int, payload: torch.Tensor) -> None:
-        self.check_kv_payload(num_tokens, payload)
+    check_kv_payload = ModelRunner.check_kv_payload  # against the logical (all heads) cache shape
 
     def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        raise ValueError("KV hand-off (prefill/decode pools) is not supported with tensor_parallel_size > 1")
+        """The request's KV in the one payload layout, all KV heads: each distinct head range comes from the
+        first rank that holds it."""
+        first = {}
+        for rank, heads in enumerate(self.kv_ranges):
+            first.setdefault(heads, rank)
+        parts = self._call_all([self.workers[r].export_kv.remote(block_ids, num_tokens) for r in first.values()],
+                               self.timeout_s)
+        return torch.cat(parts, dim=3)
+
+    def import_kv(self, block_ids: list[int], num_tokens: int, payload: torch.Tensor) -> None:
+        """Send every rank its KV heads of the payload (computed by any engine of the same model)."""
+        self.check_kv_payload(num_tokens, payload)
+        self._call_all([w.import_kv.remote(block_ids, num_tokens, payload[:, :, :, a:b].contiguous())
+                        for w, (a, b) in zip(self.workers, self.kv_ranges)], self.timeout_s)
 
     def close(self) -> None:
         """Kill the rank actors (idempotent)."""

@@ -69,6 +69,14 @@ class TPWorker:
         self.runner.forward(step)
         return None
 
+    def export_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """This rank's KV heads of a request's first `num_tokens` tokens, packed, on the CPU."""
+        return self.runner.export_kv(block_ids, num_tokens).cpu()
+
+    def import_kv(self, block_ids: list[int], num_tokens: int, payload: torch.Tensor) -> None:
+        """Write this rank's KV heads of a payload into its blocks."""
+        self.runner.import_kv(block_ids, num_tokens, payload)
+
     def ping(self) -> int:
         return self.rank
 

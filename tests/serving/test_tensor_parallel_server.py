@@ -1,7 +1,7 @@
 """`kvrelay serve --tensor-parallel-size 2` end to end on a tiny random model (float32, gloo): the replica's
 two ranks take the bundles of its placement group, greedy tokens over HTTP equal one process's, and a killed
 rank ends the streams in flight with an error, new requests get 503 until Serve has replaced the replica,
-and then it serves again."""
+and then it serves again. A TP-2 prefill pool hands its KV off to a TP-1 decode pool."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 import ray
-from serving_helpers import http
+from serving_helpers import http, metric_sum, scrape
 
 from serving import LLM, SamplingParams
 
@@ -78,3 +78,19 @@ def test_a_killed_rank_ends_streams_with_an_error_and_the_replica_is_replaced(ur
         time.sleep(1.0)
     after = _rank_actors()
     assert len(after) == 2 and not set(after) & set(before)
+
+
+def test_a_tp2_prefill_pool_hands_kv_off_to_a_tp1_decode_pool(deploy_app, tiny_model_dir):
+    url = deploy_app("tppd", model=tiny_model_dir, served_model_name=MODEL, disaggregate=True,
+                     prefill_engine={"tensor_parallel_size": 2}, **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = LLM(tiny_model_dir, **ENGINE).generate(PROMPTS[1], params)[0].outputs[0].text
+    before = scrape(url)
+    status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["choices"][0]["text"] == expected, body
+    after = scrape(url)
+    for role in ("send", "receive"):
+        moved = metric_sum(after, "kvrelay:kv_transfers_total", role=role) - \
+            metric_sum(before, "kvrelay:kv_transfers_total", role=role)
+        assert moved == 1, role

@@ -1,6 +1,7 @@
 """Tensor parallelism: how heads, features and vocabulary split over ranks, and an engine spread over Ray
-rank actors (gloo on the CPU) that generates the same greedy tokens as one process, in float32. A lost
-rank fails the step whole, the replica's health check and the requests in flight, without a hang."""
+rank actors (gloo on the CPU) that generates the same greedy tokens as one process, in float32, and hands
+KV off to and from engines of other sizes. A lost rank fails the step whole, the replica's health check
+and the requests in flight, without a hang."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import asyncio
 import pytest
 
 from serving import LLM, SamplingParams
+from workers.engine import Engine, KVImport
+from workers.output_processor import OutputKind
 from workers.step_isolation import RunnerUnavailable
 from workers.tensor_parallel import check_tp_size, partition
 
@@ -48,20 +51,60 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = 
     return [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)]
 
 
-def test_tiny_model_tp2_matches_one_process(ray_session, tiny_model_dir, prompts):
+TINY = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_model_dir) -> LLM:
+    return LLM(tiny_model_dir, **TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp2(ray_session, tiny_model_dir):
+    llm = LLM(tiny_model_dir, tensor_parallel_size=2, **TINY)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_tiny_model_tp2_matches_one_process(tiny_tp1, tiny_tp2, prompts):
     """Chunked prefill (a 32-token budget), n=2 and a shared prefix (the repeated prompt) on two ranks."""
-    options = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, num_threads=2)
     batch = prompts + [prompts[1]]
     params = SamplingParams(n=2, max_tokens=8, temperature=0.0)
-    expected = _greedy_tokens(LLM(tiny_model_dir, **options), batch, params)
-    llm = LLM(tiny_model_dir, tensor_parallel_size=2, **options)
-    try:
-        assert llm.engine.model is None and len(llm.engine.runner.workers) == 2
-        assert _greedy_tokens(llm, batch, params) == expected
-        stats = llm.engine.get_stats()
-        assert stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
-    finally:
-        llm.engine.shutdown()
+    expected = _greedy_tokens(tiny_tp1, batch, params)
+    assert tiny_tp2.engine.model is None and len(tiny_tp2.engine.runner.workers) == 2
+    assert _greedy_tokens(tiny_tp2, batch, params) == expected
+    stats = tiny_tp2.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
+
+
+def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Prefill `prompt` and its first token on one engine, then decode the rest on the other from its KV."""
+    def run(engine: Engine) -> list[int]:
+        tokens = []
+        while engine.has_unfinished_requests():
+            tokens += [t for out in engine.step() if out.finished for t in out.outputs[0].token_ids]
+        return tokens
+
+    prefill.add_request(rid, None, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=prompt,
+                        output_kind=OutputKind.FINAL_ONLY, hold_kv=True)
+    first = run(prefill)
+    payload = prefill.export_kv(rid)
+    assert prefill.release_kv(rid)
+    decode.add_request(rid, None, SamplingParams(max_tokens=max_tokens - 1, temperature=0.0),
+                       prompt_token_ids=prompt + first, output_kind=OutputKind.FINAL_ONLY,
+                       kv_import=KVImport(len(prompt), payload))
+    return first + run(decode)
+
+
+def test_kv_hands_off_between_pools_of_any_tensor_parallel_size(tiny_tp1, tiny_tp2, prompts):
+    """The payload holds all KV heads, so TP-2 to TP-2, TP-2 to TP-1 and TP-1 to TP-2 all continue as one
+    process would."""
+    expected = _greedy_tokens(tiny_tp1, [prompts[1]], GREEDY)[0][0]
+    one, two = tiny_tp1.engine, tiny_tp2.engine
+    assert _hand_off(two, two, "2to2", prompts[1], 8) == expected
+    assert _hand_off(two, one, "2to1", prompts[1], 8) == expected
+    assert _hand_off(one, two, "1to2", prompts[1], 8) == expected
+    assert two.get_stats().num_kv_import_fallbacks == 0 and two.kv_cache.usage == 0.0
 
 
 def test_smollm2_tp3_matches_one_process(ray_session, default_model_dir, prompts):
