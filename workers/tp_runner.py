@@ -83,12 +83,13 @@ class TPModelRunner:
                 opts.update(num_cpus=0)
             self.workers.append(actor.options(**opts).remote(config, model_path, rank, size, max_model_len, threads))
         try:
-            host, port = self._call_all([self.workers[0].address.remote()], _SETUP_TIMEOUT_S)[0]
+            host, port = self._call_all([self.workers[0].address.remote()], _SETUP_TIMEOUT_S, settle=False)[0]
             budgets = self._call_all([w.setup.remote(host, port, self.timeout_s) for w in self.workers],
-                                     _SETUP_TIMEOUT_S)
+                                     _SETUP_TIMEOUT_S, settle=False)
             known = [b for b in budgets if b is not None]
             self.num_kv_blocks = kv_blocks(config, args, self.part, dtype, max_model_len, min(known) if known else None)
-            devices = self._call_all([w.allocate.remote(self.num_kv_blocks) for w in self.workers], _SETUP_TIMEOUT_S)
+            devices = self._call_all([w.allocate.remote(self.num_kv_blocks) for w in self.workers], _SETUP_TIMEOUT_S,
+                                     settle=False)
         except BaseException:
             self.close()
             raise
@@ -97,25 +98,24 @@ class TPModelRunner:
         # KV payloads pass through this process on the CPU.
         self.kv_cache = torch.zeros((), dtype=dtype).expand(args.num_layers, 2, self.num_kv_blocks, self.block_size,
                                                             args.num_kv_heads, args.head_dim)
-        self.last_broadcast_s = 0.0
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
         import ray
 
         step = build_step_inputs(out, self.block_size, self.part.num_heads, self.part.num_kv_heads)
         step.released, self._released = self._released, []
-        start = time.perf_counter()
         ref = ray.put(step)
         refs = [w.execute.remote(ref) for w in self.workers]
-        self.last_broadcast_s = time.perf_counter() - start
         try:
             return self._call_all(refs, self.timeout_s)[0]
         except BaseException:
             self._released += step.released
             raise
 
-    def _call_all(self, refs: list, timeout_s: float) -> list:
-        """Every rank's result; the first error as soon as it arrives. A lost or silent rank ends the runner."""
+    def _call_all(self, refs: list, timeout_s: float, settle: bool = True) -> list:
+        """Every rank's result. A lost or silent rank ends the runner. A rank's error is raised once the other
+        ranks have answered (`settle`: none is left inside a collective when the step is retried), or at
+        once (start-up, where the ranks are killed on any error)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -132,8 +132,10 @@ class TPModelRunner:
                 ray.get(ready[0])
             except RayActorError as e:
                 self._lose(f"a tensor-parallel rank died: {e}")
-            except RayTaskError as e:  # the step failed on a rank; the others must still come back
+            except RayTaskError as e:
                 error = error or e
+                if not settle:
+                    break
         if error is not None:
             raise error.cause if error.cause is not None else error
         return ray.get(refs)

@@ -42,6 +42,13 @@ def test_sizes_that_do_not_divide_are_refused(size, shape, message):
         check_tp_size(size, *shape)
 
 
+def test_an_engine_refuses_a_size_its_model_does_not_split_before_starting_ranks(tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide its 4 attention heads"):
+        LLM(tiny_model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="Ray gives each rank its own"):
+        LLM(tiny_model_dir, tensor_parallel_size=2, device="cuda:1")
+
+
 @pytest.fixture(scope="module")
 def prompts(make_prompts):
     return make_prompts([5, 40, 70])
