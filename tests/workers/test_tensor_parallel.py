@@ -58,7 +58,8 @@ def _greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = 
     return [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)]
 
 
-TINY = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32, num_threads=2)
+# 8 blocks of 16 tokens: the batch below preempts a sequence once
+TINY = dict(dtype="float32", num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=32, num_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +75,15 @@ def tiny_tp2(ray_session, tiny_model_dir):
 
 
 def test_tiny_model_tp2_matches_one_process(tiny_tp1, tiny_tp2, prompts):
-    """Chunked prefill (a 32-token budget), n=2 and a shared prefix (the repeated prompt) on two ranks."""
+    """Chunked prefill (a 32-token budget), n=2, a shared prefix (the repeated prompt) and preemption (a
+    small cache) on two ranks."""
     batch = prompts + [prompts[1]]
     params = SamplingParams(n=2, max_tokens=8, temperature=0.0)
     expected = _greedy_tokens(tiny_tp1, batch, params)
     assert tiny_tp2.engine.model is None and len(tiny_tp2.engine.runner.workers) == 2
     assert _greedy_tokens(tiny_tp2, batch, params) == expected
     stats = tiny_tp2.engine.get_stats()
-    assert stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
 
 
 def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
