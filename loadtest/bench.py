@@ -6,15 +6,19 @@ our engine offline, the Hugging Face baselines, or all of them side by side in o
     kvrelay bench burst --baseline hf-static                   # HF generate, batches of 8/16/32/64
     kvrelay bench burst --systems hf-naive,hf-static,engine,server --caps 16,64,256 --plot
     kvrelay bench poisson --systems engine,server --qps 1,4,16 --plot
+    kvrelay bench single --systems engine,server                 # one stream: 128-token prompt, 128 tokens
     kvrelay bench policies --qps 2 --plot                      # scheduling policies on poisson
     kvrelay bench random --url URL --input-len 256 --output-len 128 --request-rate 2 --burstiness 0.5
     kvrelay bench soak --concurrency 16                        # 10,000 mixed requests, a fresh server
     kvrelay bench compare results/a.json results/b.json
     kvrelay bench train-predictor                              # the `predicted` policy's length model
     kvrelay bench recovery --rounds 5                          # kill a replica, time until served again
+    kvrelay bench structured --rounds 3                        # decode step time with grammar-constrained rows
 
 `server` starts a private local Ray cluster and deploys a fresh `kvrelay serve` app for every run (so
-no run inherits another's prefix cache); `--url` measures whatever is listening there.
+no run inherits another's prefix cache); `--url` measures whatever is listening there. Burst, poisson, single,
+random and policies first measure this machine's ceilings (matmul rate at the model's shapes, memory
+bandwidth) and report every result also as a fraction of its roofline; `--no-ceilings` skips that.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from loadtest import recovery, runners
+from loadtest import recovery, runners, single, structured
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.soak_mix import SoakMix
-from loadtest.workloads import BURST_CAPS
+from loadtest.workloads import BURST_CAPS, SINGLE_LEN, SINGLE_NUM_REQUESTS
 from workers.request_queue import SchedulingPolicy
 
 
@@ -88,6 +92,9 @@ def _add_common(p: argparse.ArgumentParser, stream_default: bool | None) -> None
                        help=f"HTTP: stream responses (default: {'on' if stream_default else 'off'})")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON (and PNG) results")
     p.add_argument("--plot", action="store_true", help="write PNG plots next to the JSON")
+    p.add_argument("--no-ceilings", dest="ceilings", action="store_false",
+                   help="skip measuring this machine's ceilings (matmul rate, memory bandwidth; a few seconds) and "
+                        "the results' fractions of their rooflines")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
@@ -105,6 +112,14 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     _add_target(p, TIMED_SYSTEMS, baselines=False)
     p.add_argument("--qps", type=_floats, default=[1.0, 4.0, 16.0], help="comma list of request rates")
     _add_common(p, stream_default=True)
+
+    p = sub.add_parser("single", help="one stream at a time: a 128-token prompt, then 128 tokens; TTFT and decode "
+                       "tok/s against the memory-bandwidth roofline")
+    _add_target(p, TIMED_SYSTEMS, baselines=False)
+    p.add_argument("--input-len", type=int, default=SINGLE_LEN, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=SINGLE_LEN, help="output tokens")
+    _add_common(p, stream_default=True)
+    p.set_defaults(num_requests=SINGLE_NUM_REQUESTS)
 
     p = sub.add_parser("random", help="random prompt/output lengths around --input-len/--output-len")
     _add_target(p, TIMED_SYSTEMS, baselines=False)
@@ -197,6 +212,7 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", type=Path)
 
     recovery.add_parser(sub, _key_value)
+    structured.add_parser(sub)
     return parser
 
 
@@ -212,8 +228,9 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "recovery": recovery.run_recovery,
+    "recovery": recovery.run_recovery, "structured": structured.run_structured,
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
+    "single": single.run_single,
     "long-prompt": runners.run_long_prompt, "policies": runners.run_policies,
     "train-predictor": runners.run_train_predictor, "overhead": runners.run_overhead,
     "compare": runners.run_compare, "plot": runners.run_plot, "soak": runners.run_soak,

@@ -1,5 +1,5 @@
 """Result files of `kvrelay bench`: one JSON per run with every system's metrics, and the tables
-printed from them (burst, poisson, policies, and `compare` across files).
+printed from them (burst, poisson, single, policies, rooflines, and `compare` across files).
 
 A result file::
 
@@ -7,7 +7,11 @@ A result file::
      "git_commit": "...", "host": {...}, "loadavg_start": [...], "loadavg_end": [...],
      "runs": [{"system": "hf-static-32", "family": "hf-static", "workload": "burst", "cap": 64,
                "qps": null, "metrics": {...vllm bench names...}, "samples": {"ttft": [...], "e2el": [...]},
-               "extra": {...}}, ...]}
+               "extra": {...}, "roofline": {...}}, ...],
+     "ceilings": {...}, "model_shape": {...}}
+
+`ceilings` (the machine's, measured in the run; loadtest/ceilings.py) and each run's `roofline` (its fractions of
+them; loadtest/roofline.py) are absent with --no-ceilings and in files from before them.
 """
 
 from __future__ import annotations
@@ -147,6 +151,19 @@ def latency_table(runs: Sequence[dict[str, Any]], key: str = "qps") -> str:
     return _markdown(head, rows)
 
 
+def single_table(runs: Sequence[dict[str, Any]]) -> str:
+    """One stream at a time: TTFT, and decode tok/s as 1 / median TPOT (the time per token after the first)."""
+    rows = []
+    for r in runs:
+        m = r["metrics"]
+        tpot = m.get("median_tpot_ms") if r["samples"].get("ttft") else None
+        rows.append([_label(r), str(m["completed"]), _fmt(m["median_ttft_ms"], 0), _fmt(m["p95_ttft_ms"], 0),
+                     _fmt(tpot), _fmt(1000 / tpot if tpot else None), _fmt(m["median_e2el_ms"] / 1000, 2),
+                     str(m["failed"])])
+    return _markdown(["system", "requests", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "decode tok/s", "e2e p50 s",
+                      "failed"], rows)
+
+
 def policy_table(runs: Sequence[dict[str, Any]]) -> str:
     """Mean and p95 end-to-end latency (and TTFT) per scheduling policy, averaged over rounds."""
     rows = []
@@ -192,7 +209,68 @@ def compare_table(payloads: Sequence[tuple[str, dict[str, Any]]], baseline: str 
                          _fmt(e2e / 1000, 2) if e2e and run["samples"].get("e2el") else "-",
                          _fmt(e2e / base_e2e, 2) if e2e and base_e2e and run["samples"].get("e2el")
                          and base["samples"].get("e2el") else "-",
-                         str(m.get("failed", 0))])
+                         str(m.get("failed", 0)), _fraction(run)])
     head = ["workload", "param", "system (file)", "output tok/s", "× tok/s", "TTFT p50 ms", "TTFT p95 ms",
-            "e2e mean s", "× e2e", "failed"]
+            "e2e mean s", "× e2e", "failed", "× roofline"]
     return _markdown(head, rows)
+
+
+def _fraction(run: dict[str, Any]) -> str:
+    """The run's fraction of the roofline it is judged by, e.g. `0.42 (memory)`; `-` without ceilings."""
+    roofline = run.get("roofline") or {}
+    fraction = roofline.get("fraction")
+    return "-" if fraction is None else f"{fraction:.2f} ({roofline['bound']})"
+
+
+def _label(run: dict[str, Any]) -> str:
+    if run.get("policy"):
+        return str(run["policy"])
+    batch = run["extra"].get("batch_size") if run["family"] == "hf-static" else None
+    return SYSTEM_LABELS.get(run["family"], run["system"]) + (f", batch {batch}" if batch else "")
+
+
+def ceilings_text(ceilings: dict[str, Any]) -> str:
+    """The machine's ceilings measured in this run (loadtest/ceilings.py), as a two-column table."""
+    c = ceilings
+    flags = ", ".join(f"{f} {'yes' if c['cpu']['flags'].get(f) else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
+    per_shape = ", ".join(f"{k} {v:,.0f}" for k, v in c["matmul_gflops"].items() if k != "lm_head")
+    gemv = ", ".join(f"{k} {v:,.1f}" for k, v in c["gemv_gbs"].items())
+    title = (f"Ceilings of this machine ({c['cpu']['model_name']}, {flags}; {c['threads']} thread{'s' if c['threads'] != 1 else ''}, {c['dtype']}, "
+             f"{c['device']}; load average {c['loadavg'][0]:.1f} at the measurement; {c['seconds']:.1f} s):")
+    rows = [
+        [f"matmul at the model's layer shapes, {c['rows']} rows", f"{c['layer_gflops']:,.0f} GFLOP/s ({per_shape})"],
+        [f"LM head matmul, {c['rows']} rows", f"{c['lm_head_gflops']:,.0f} GFLOP/s"],
+        ["bf16 2048³ matmul", f"{c['reference_gflops']:,.0f} GFLOP/s (1 thread {c['reference_gflops_1_thread']:,.0f})"],
+        ["every matmul at 1 row (GEMV), each layer its own weights",
+         f"{c['gemv_forward_ms']:,.1f} ms per token = {c['gemv_tok_s']:,.1f} tok/s (GB/s: {gemv})"],
+        ["memory read bandwidth (best / median)", f"{c['read_gbs']:,.1f} / {c['read_gbs_median']:,.1f} GB/s "
+         f"(1 thread {c['read_gbs_1_thread']:,.1f} / {c['read_gbs_1_thread_median']:,.1f})"],
+    ]
+    return title + "\n\n" + _markdown(["ceiling", "measured"], rows)
+
+
+def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
+    """Each run as fractions of its rooflines: achieved GFLOP/s over the matmul ceiling for the workload's FLOPs,
+    and per-stream decode tok/s over the bandwidth ceiling (weights + KV bytes per token); `bound` is the one the
+    workload is judged by."""
+    rows = []
+    for r in runs:
+        rf = r.get("roofline")
+        if not rf:
+            continue
+        _, param = _group_key(r)
+        rows.append([r["workload"], param, _label(r), rf["bound"], _fmt(r["metrics"]["output_throughput"]),
+                     _fmt(rf["flops"] / 1e12, 2), _fmt(rf["achieved_gflops"]), _fmt(rf["compute_seconds"], 2),
+                     _fmt(rf["compute_fraction"], 2), _fmt(rf["bytes_per_token"] / 1e6, 0), _fmt(rf["decode_tok_s"]),
+                     _fmt(rf["decode_ceiling_tok_s"]), _fmt(rf["decode_fraction"], 2)])
+    head = ["workload", "param", "system", "bound", "output tok/s", "TFLOP", "GFLOP/s", "roofline s",
+            "× compute roofline", "MB/token", "decode tok/s", "ceiling tok/s", "× bandwidth roofline"]
+    return _markdown(head, rows) if rows else ""
+
+
+def roofline_tables(payload: dict[str, Any]) -> list[str]:
+    """The ceilings and the rooflines table of a result, or nothing when it has no ceilings (--no-ceilings, or a
+    file from before them)."""
+    if not payload.get("ceilings"):
+        return []
+    return [t for t in (ceilings_text(payload["ceilings"]), roofline_table(payload["runs"])) if t]

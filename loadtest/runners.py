@@ -5,8 +5,10 @@ URL; each runner writes one result JSON (loadtest/report.py) and optionally its 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from loadtest import report, workloads
+from loadtest.roofline import RunRooflines, lengths_of_requests, lengths_of_results
 from loadtest.workloads import BURST_CAPS, BenchRequest
 from workers.request_queue import SchedulingPolicy
 
@@ -92,6 +95,11 @@ class Systems:
         self.cluster: Any = None
         self.model_name: str | None = None
         self.apps = 0
+        self.rooflines: RunRooflines | None = None  # once the ceilings are measured
+
+    def annotate(self, run: dict[str, Any], lengths: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        """Add the run's rooflines (its fractions of this machine's ceilings), unless --no-ceilings."""
+        return self.rooflines.annotate(run, lengths) if self.rooflines else run
 
     def hf(self) -> Any:
         if self.hf_model is None:
@@ -153,7 +161,7 @@ def timed_run(system: str, requests: Sequence[BenchRequest], args: argparse.Name
 
 def _finish(payload: dict[str, Any], path: Path, args: argparse.Namespace, tables: list[str]) -> int:
     report.write_payload(path, payload)
-    for table in tables:
+    for table in tables + report.roofline_tables(payload):
         print(table + "\n")
     if getattr(args, "plot", False):
         from loadtest.plots import plot_payload
@@ -177,8 +185,34 @@ def _run_order(systems: Sequence[str], params: Sequence[Any]) -> list[tuple[str,
 
 
 def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path, Systems]:
-    """A new result payload, the path it will be written to, and the run's lazily built systems."""
-    return report.new_payload(workload, params, args.argv), args.out / f"{workload}-{_stamp()}.json", Systems(args)
+    """A new result payload with this machine's ceilings, the path it will be written to, and the run's lazily
+    built systems."""
+    payload, res = report.new_payload(workload, params, args.argv), Systems(args)
+    path = args.out / f"{workload}-{_stamp()}.json"
+    if getattr(args, "ceilings", True):
+        res.rooflines = measure_rooflines(args, payload)
+        report.write_payload(path, payload)  # an interrupted run keeps them
+    return payload, path, res
+
+
+def measure_rooflines(args: argparse.Namespace, payload: dict[str, Any]) -> RunRooflines:
+    """Measure the ceilings with the engine's thread count, dtype and device, at the shapes of the run's model
+    (the --model folder, else the --tokenizer folder, else the default model), into ``payload["ceilings"]``."""
+    import torch
+
+    from loadtest.ceilings import measure_ceilings
+    from loadtest.model_shape import ModelShape
+
+    folder = next((f for f in (args.model, args.tokenizer) if _is_folder(f)), None) or default_model_path()
+    shape = ModelShape.from_folder(folder)
+    options = dict(args.engine_option)
+    device = str(options.get("device", "auto"))
+    device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    print(f"measuring this machine's ceilings at {Path(folder).name}'s shapes (--no-ceilings skips) ...", file=sys.stderr)
+    ceilings = measure_ceilings(shape, threads=options.get("num_threads") or os.cpu_count(), dtype=dtype, device=device)
+    payload.update(ceilings=ceilings.to_json(), model_shape={**dataclasses.asdict(shape), "folder": str(folder)})
+    return RunRooflines(shape, ceilings)
 
 
 def _guarded(payload: dict[str, Any], path: Path, system: str, fn: Callable[[], list[dict[str, Any]]]) -> None:
@@ -227,28 +261,29 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
     if system == "hf-naive":
         from loadtest.baselines import hf_naive
 
-        return [report.run_from_offline(hf_naive(res.hf(), requests, progress=args.progress), "hf-naive", "burst",
-                                        prompt_tokens, cap)]
+        return [res.annotate(report.run_from_offline(hf_naive(res.hf(), requests, progress=args.progress), "hf-naive",
+                                                     "burst", prompt_tokens, cap), lengths_of_requests(requests))]
     if system == "hf-static":
         from loadtest.baselines import hf_static
 
-        return [report.run_from_offline(hf_static(res.hf(), requests, bs, progress=args.progress), "hf-static",
-                                        "burst", prompt_tokens, cap) for bs in args.batch_sizes]
+        return [res.annotate(report.run_from_offline(hf_static(res.hf(), requests, bs, progress=args.progress),
+                                                     "hf-static", "burst", prompt_tokens, cap),
+                             lengths_of_requests(requests)) for bs in args.batch_sizes]
     if system == "engine":
         from loadtest.offline import run_engine
         from serving import LLM
 
         llm = LLM(**_engine_options(args))  # fresh per cap
         try:
-            return [report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine", "burst",
-                                            prompt_tokens, cap)]
+            return [res.annotate(report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine",
+                                                         "burst", prompt_tokens, cap), lengths_of_requests(requests))]
         finally:
             del llm
             gc.collect()
     results, duration = timed_run(system, requests, args, res, args.stream)
     name = "server" if system == "server" else args.url
-    return [report.run_from_results(name, system, "burst", summarize(results, duration), results, cap=cap,
-                                    extra={"stream": args.stream})]
+    return [res.annotate(report.run_from_results(name, system, "burst", summarize(results, duration), results, cap=cap,
+                                                 extra={"stream": args.stream}), lengths_of_results(results))]
 
 
 def run_poisson(args: argparse.Namespace) -> int:
@@ -268,8 +303,9 @@ def run_poisson(args: argparse.Namespace) -> int:
             def one(s: str = system, q: float = qps) -> list[dict[str, Any]]:
                 results, duration = timed_run(s, workloads[q], args, res, args.stream)
                 name = args.url if s == "url" else s
-                return [report.run_from_results(name, s, "poisson", summarize(results, duration), results, qps=q,
-                                                extra=_offered(workloads[q]))]
+                return [res.annotate(report.run_from_results(name, s, "poisson", summarize(results, duration), results,
+                                                             qps=q, extra=_offered(workloads[q])),
+                                     lengths_of_results(results))]
 
             _guarded(payload, path, system, one)
     finally:
@@ -305,8 +341,9 @@ def run_random(args: argparse.Namespace) -> int:
                 results, duration = timed_run(s, requests, args, res, args.stream)
                 summary = summarize(results, duration)
                 summaries.append(f"{s}\n{format_summary(summary)}")
-                return [report.run_from_results(args.url if s == "url" else s, s, "random", summary, results,
-                                                qps=args.request_rate)]
+                return [res.annotate(report.run_from_results(args.url if s == "url" else s, s, "random", summary,
+                                                             results, qps=args.request_rate),
+                                     lengths_of_results(results))]
 
             _guarded(payload, path, system, one)
     finally:
@@ -345,7 +382,7 @@ def run_policies(args: argparse.Namespace) -> int:
                     run = report.run_from_results("server", "server", "poisson", summarize(results, duration), results,
                                                   qps=args.qps, extra={"round": r, **_offered(requests)})
                     run["policy"] = p
-                    return [run]
+                    return [res.annotate(run, lengths_of_results(results))]
 
                 _guarded(payload, path, policy, one)
     finally:

@@ -1,4 +1,4 @@
-"""Benchmark workload generators (burst, poisson, long-prompt, random) as pure functions.
+"""Benchmark workload generators (burst, poisson, long-prompt, random, single) as pure functions.
 
 Prompts are slices of the tokenized corpus; all randomness comes from seeded
 ``numpy.random.default_rng`` generators, drawn in the documented order.
@@ -22,6 +22,8 @@ POISSON_OUTPUT_CAP = 384
 LONG_PROMPT_QPS = 4.0
 LONG_PROMPT_NUM_REQUESTS = 200
 OFFSET_STRIDE = 997
+SINGLE_LEN = 128
+SINGLE_NUM_REQUESTS = 5
 
 
 @dataclass(frozen=True)
@@ -130,3 +132,13 @@ def random_requests(tokenizer: Any, num: int, input_len: int, output_len: int, r
         p, o = draw(input_len), draw(output_len)
         out.append(BenchRequest(prompt_slice(tokens, i, p), o, 0.0))
     return out
+
+
+def single_requests(tokenizer: Any, num: int = SINGLE_NUM_REQUESTS, input_len: int = SINGLE_LEN,
+                    output_len: int = SINGLE_LEN) -> list[BenchRequest]:
+    """``single``: ``num`` requests of ``input_len`` prompt tokens and ``output_len`` output tokens, to run one at
+    a time (distinct corpus slices, so no request hits another's prefix cache)."""
+    if num < 1 or input_len < 1 or output_len < 1:
+        raise ValueError("--num-requests, --input-len and --output-len must be >= 1")
+    tokens = corpus_tokens(tokenizer)
+    return [BenchRequest(prompt_slice(tokens, i, input_len), output_len, 0.0) for i in range(num)]

@@ -4,5 +4,6 @@
 from serving.llm import LLM
 from workers.outputs import CompletionOutput, RequestOutput
 from workers.sampling_params import SamplingParams
+from workers.structured_params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]

@@ -6,6 +6,7 @@
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import os
 import uuid
@@ -20,13 +21,16 @@ from ray.serve.handle import DeploymentHandle
 
 from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
-from serving.chat import chat_prompt_ids
+from serving.chat import ChatInputError, ChatTemplateOptions, chat_prompt_ids
 from serving.disaggregated import DisaggregatedClient
 from serving.engine_client import EngineClient, EngineError, RequestStream, awaited, call
 from serving.errors import OpenAIError, from_validation_error, install_error_handlers
 from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
-from serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from serving.structured_outputs import structured_outputs_for
+from serving.tool_calls import tool_plan
 from workers.messages import GenerateRequest, ModelInfo
 from workers.model_loader import load_tokenizer, resolve_model_path
 from workers.sampling_params import SamplingParams
@@ -50,7 +54,8 @@ class OpenAIIngress:
     def __init__(self, worker: DeploymentHandle, config: dict, prefill: DeploymentHandle | None = None) -> None:
         self.config = AppConfig(**config)
         self.model_path = resolve_model_path(self.config.engine.model)
-        self.model_name = self.config.served_model_name or _default_model_name(self.model_path)
+        self.model_names = self.config.served_model_name or [_default_model_name(self.model_path)]
+        self.model_name = self.model_names[0]
         self.tokenizer = load_tokenizer(self.model_path)
         self.worker = worker
         self.engine = self._engine_client(worker)
@@ -117,10 +122,27 @@ class OpenAIIngress:
             parsed = model.model_validate_json(body)
         except ValidationError as e:
             raise from_validation_error(e) from None
-        if parsed.model != self.model_name:
-            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves {self.model_name!r}",
-                              param="model", code="model_not_found")
+        if parsed.model is not None and parsed.model not in self.model_names:
+            raise OpenAIError(404, f"the model {parsed.model!r} does not exist; this server serves "
+                                   f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
         return parsed
+
+    def _chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat request: its messages through the chat template, with vLLM's options;
+        `tools` (as the template sees them) in place of the body's."""
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise OpenAIError(400, "this server does not accept a chat_template in requests; start it with "
+                                   "--trust-request-chat-template to allow that", param="chat_template")
+        options = ChatTemplateOptions(
+            add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template or self.config.chat_template,
+            chat_template_kwargs={**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})},
+            tools=body.tools if tools is None else tools, documents=body.documents,
+            add_special_tokens=bool(body.add_special_tokens))
+        try:
+            return chat_prompt_ids(self.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], options)
+        except ChatInputError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
 
     def _check_prompt(self, ids: list[int], max_tokens: int | None, info: ModelInfo) -> None:
         if not ids:
@@ -148,15 +170,29 @@ class OpenAIIngress:
                                    "fewer prompts", param="n")
 
     @staticmethod
-    def _sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(body, max_tokens: int | None, logprobs: int | None, info: ModelInfo,
+                         prompt_logprobs: int | None = None, plan=None) -> SamplingParams:
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}
+        if any(t >= info.vocab_size for t in bias):
+            raise OpenAIError(400, f"logit_bias token ids must be in [0, {info.vocab_size})", param="logit_bias")
+        structured = structured_outputs_for(body, plan)
         try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
                 seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, min_tokens=body.min_tokens)
+                logprobs=logprobs, min_tokens=body.min_tokens, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0, min_p=body.min_p or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=bias or None, bad_words=body.bad_words,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                structured_outputs=structured)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
+            field = str(e).split(" ", 1)[0].split("[")[0]  # SamplingParams' messages start with the field
+            raise OpenAIError(400, str(e), param=field if field in type(body).model_fields else None) from None
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                       priority: int) -> list[RequestStream]:
@@ -187,7 +223,32 @@ class OpenAIIngress:
     async def models(self, request: Request) -> ModelList:
         self._authorize(request)
         info = await self._model_info()
-        return ModelList(data=[ModelCard(id=self.model_name, root=info.model_path, max_model_len=info.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=info.model_path, max_model_len=info.max_model_len)
+                               for name in self.model_names])
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": importlib.metadata.version("kvrelay")}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> TokenizeResponse:
+        body = await self._parse(request, TokenizeRequest)
+        info = await self._model_info()
+        if body.messages is not None:
+            ids = self._chat_ids(body)
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = self.tokenizer(body.prompt, add_special_tokens=add_special).input_ids
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> DetokenizeResponse:
+        body = await self._parse(request, DetokenizeRequest)
+        info = await self._model_info()
+        if any(t >= info.vocab_size for t in body.tokens):
+            raise OpenAIError(400, f"token ids must be in [0, {info.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens))
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -207,12 +268,18 @@ class OpenAIIngress:
         body = await self._parse(request, CompletionRequest)
         info = await self._model_info()
         prompts = self._completion_prompts(body.prompt, body.n)
+        echo_only = body.echo and body.max_tokens == 0  # score the prompt: generate one token, show none
+        max_tokens = 1 if echo_only else body.max_tokens
         for ids in prompts:
-            self._check_prompt(ids, body.max_tokens, info)
-        params = self._sampling_params(body, body.max_tokens, body.logprobs)
+            self._check_prompt(ids, max_tokens, info)
+        echo_lp = body.logprobs if body.echo and body.prompt_logprobs is None else None
+        params = self._sampling_params(body, max_tokens, body.logprobs, info, echo_lp)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, prompts, params, body.priority)
         view = ResponseView(request_id, self.model_name, body.n, [len(p) for p in prompts], chat=False, logprobs=body.logprobs)
+        if body.echo:
+            view.echo([self._prompt_text(body.prompt, i, ids) for i, ids in enumerate(prompts)], prompts, echo_only,
+                      self.tokenizer.decode)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))
@@ -222,25 +289,28 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
         self._check_fan_out(1, body.n)
+        plan = tool_plan(body, self.config.enable_auto_tool_choice, self.config.tool_call_parser)
         info = await self._model_info()
-        conversation = [m.model_dump(exclude_none=True) for m in body.messages]
-        for m in conversation:
-            m.setdefault("content", "")
-        try:
-            ids = chat_prompt_ids(self.tokenizer, conversation)
-        except Exception as e:
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        ids = self._chat_ids(body, plan.tools or None)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self._check_prompt(ids, max_tokens, info)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._sampling_params(body, max_tokens, k)
+        params = self._sampling_params(body, max_tokens, k, info, plan=plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [ids], params, body.priority)
-        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k)
+        view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k, tools=plan)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return sse_response(view.stream(streams, include_usage))
         return JSONResponse((await view.collect(streams)).model_dump())
+
+    def _prompt_text(self, prompt, i: int, ids: list[int]) -> str:
+        """The `i`-th prompt as text, for echo: as sent, or decoded from its token ids."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and isinstance(prompt[i], str):
+            return prompt[i]
+        return self.tokenizer.decode(ids)
 
     def _completion_prompts(self, prompt, n: int) -> list[list[int]]:
         """The prompts' token ids, once their number is checked (before any is tokenized)."""

@@ -7,8 +7,9 @@ import dataclasses
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
+from serving.chat import load_chat_template
 from workers.config import EngineConfig
 
 
@@ -16,8 +17,20 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str | None = Field(None, description="Model name clients send; default: the model folder's name.")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1 routes (or set KVRELAY_API_KEY).")
+    served_model_name: list[str] | None = Field(None, min_length=1, description="Model name(s) clients send; "
+                                                "responses report the first; default: the model folder's name.")
+    chat_template: str | None = Field(None, description="Chat template in place of the tokenizer's: a Jinja file's "
+                                      "path, or the template itself.")
+    trust_request_chat_template: bool = Field(False, description="Accept a chat_template in requests (else HTTP 400).")
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Variables (JSON) for "
+                                                         "every chat template render; a request's "
+                                                         "chat_template_kwargs override them.")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and "
+                                   "/detokenize (or set KVRELAY_API_KEY).")
+    enable_auto_tool_choice: bool = Field(False, description="Serve tool_choice \"auto\" (the default when a request "
+                                          "has tools): the model may call tools, found by --tool-call-parser.")
+    tool_call_parser: str | None = Field(None, description="How tool calls are found in the output "
+                                                       "for tool_choice auto: hermes (<tool_call>{json}</tool_call>).")
     num_replicas: int | None = Field(None, ge=1, description="Fixed number of engine replicas (turns autoscaling off).")
     min_replicas: int = Field(1, ge=0, description="Autoscaling: fewest engine replicas.")
     max_replicas: int = Field(1, ge=1, description="Autoscaling: most engine replicas (autoscaling is on when > min).")
@@ -68,6 +81,26 @@ class AppConfig(BaseModel):
                                           "longer than this fails.")
     max_failed_steps: int = Field(5, ge=1, description="An engine replica whose last N engine steps all failed "
                                   "reports unhealthy (and is replaced).")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """Read a template file once, here, so that the ingress replicas get its text."""
+        return load_chat_template(value)
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes)")
+        return self
 
     @model_validator(mode="after")
     def _check_bounds(self):
@@ -168,9 +201,11 @@ class AppConfig(BaseModel):
                 "graceful_shutdown_timeout_s": self.drain_timeout_s + 2 * DRAIN_MARGIN_S}
 
 
+TOOL_CALL_PARSERS = ("hermes",)
 DRAIN_POLL_S = 0.5
 DRAIN_MARGIN_S = 10.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_JSON_OPTIONS = ("prefill_engine", "decode_engine", "default_chat_template_kwargs")
 _CALL_HEADROOM = 64  # open calls beyond generate: one subscribe stream per ingress replica, scrapes, KV releases
 
 
@@ -184,7 +219,7 @@ def parse_app_args(args: dict[str, Any]) -> AppConfig:
     engine_args = {k: _none(v) for k, v in args.items() if k in _ENGINE_FIELDS}
     try:
         engine = TypeAdapter(EngineConfig).validate_python(engine_args) if engine_args else args.get("engine", EngineConfig())
-        serving_args = {k: _json(_none(v)) if k in ("prefill_engine", "decode_engine") else _none(v)
+        serving_args = {k: _json(_none(v)) if k in _JSON_OPTIONS else _none(v)
                         for k, v in args.items() if k in AppConfig.model_fields and k != "engine"}
         return AppConfig(engine=engine, **serving_args)
     except Exception as e:

@@ -34,14 +34,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def flag_options(name: str, annotation: Any) -> dict[str, Any]:
     """argparse keywords for an option of this type: a bool is `--x/--no-x`; int, float or str (alone or
-    with None) is that type; a union with str (`int | str`) or a dict stays a string, which the config
-    parses (a size such as '2GiB', JSON)."""
+    with None) is that type; a list of str takes one or more values; a union with str (`int | str`) or a
+    dict stays a string, which the config parses (a size such as '2GiB', JSON)."""
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     kinds = tuple(k for k in (typing.get_args(annotation) if union else (annotation,)) if k is not type(None))
     if kinds == (bool,):
         return {"action": argparse.BooleanOptionalAction}
     if len(kinds) == 1 and kinds[0] in (int, float, str):
         return {"type": kinds[0]}
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is list and typing.get_args(kinds[0]) == (str,):
+        return {"nargs": "+", "type": str}
     if str in kinds or typing.get_origin(annotation) is dict:
         return {"type": str}
     raise TypeError(f"option {name!r} has type {annotation}, which has no command-line form; "

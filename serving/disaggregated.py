@@ -63,7 +63,7 @@ class HandoffStream:
         first.metrics = {}
         yield first
         rest = dataclasses.replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
-                                   min_tokens=max(0, params.min_tokens - 1))
+                                   min_tokens=max(0, params.min_tokens - 1), prompt_logprobs=None)  # sent already
         decode_req = GenerateRequest(req.request_id, req.prompt_token_ids + list(c.token_ids), rest, req.priority,
                                      kv_ticket=ticket)
         self._decode = await self._client.decode.submit(decode_req)
@@ -74,7 +74,8 @@ class HandoffStream:
 
 class DisaggregatedClient:
     """`submit` like `EngineClient.submit`, over a prefill pool and a decode pool. Requests with n > 1
-    run whole on the decode pool (their siblings share the prompt's blocks there)."""
+    run whole on the decode pool (their siblings share the prompt's blocks there), and so do requests
+with structured outputs (their grammar must see every output token, the first one included)."""
 
     def __init__(self, prefill: EngineClient, decode: EngineClient, prefill_handle) -> None:
         self.prefill, self.decode = prefill, decode
@@ -82,7 +83,7 @@ class DisaggregatedClient:
         self._confirms: set[asyncio.Task] = set()
 
     async def submit(self, request: GenerateRequest) -> RequestStream | HandoffStream:
-        if request.params.n != 1:
+        if request.params.n != 1 or request.params.structured_outputs is not None:
             return await self.decode.submit(request)
         first_only = dataclasses.replace(request.params, max_tokens=1, min_tokens=0)
         prefill_req = dataclasses.replace(request, request_id=f"{request.request_id}/prefill", params=first_only,

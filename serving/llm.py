@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from serving.chat import chat_prompt_ids
+from serving.chat import ChatTemplateOptions, chat_prompt_ids, load_chat_template
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.output_processor import OutputKind
@@ -15,7 +16,7 @@ from workers.outputs import RequestOutput
 from workers.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -88,13 +89,27 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages: Conversation | Sequence[Conversation], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or many, formatted by the tokenizer's chat template."""
+             use_tqdm: bool | None = None, add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or many, formatted by the chat template (the tokenizer's,
+        or `chat_template`: the template itself or a file's path), with vLLM's template options."""
         if not messages:
             raise ValueError("messages must not be empty")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
+        convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                                            tools=tools) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template: str | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt token ids `chat` generates from. Raises ValueError (a `ChatInputError` naming the field)
+        for a malformed message or option."""
+        options = ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template=load_chat_template(chat_template),
+                                      chat_template_kwargs=dict(chat_template_kwargs or {}), tools=tools)
+        return chat_prompt_ids(self.tokenizer, conversation, options)

@@ -1,11 +1,15 @@
-"""Engine outputs to OpenAI responses: accumulate deltas per choice, render logprobs both ways, stream SSE."""
+"""Engine outputs to OpenAI responses: accumulate deltas per choice, render logprobs both ways, turn tool
+output into `tool_calls`, stream SSE.
+
+Completions with `echo` start each choice with its prompt: the text, and with logprobs the prompt's tokens
+and their logprobs (the first token's null), as vLLM does; `max_tokens: 0` shows the prompt alone."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 from fastapi.responses import StreamingResponse
 
@@ -13,7 +17,9 @@ from serving.engine_client import EngineError, RequestStream
 from serving.errors import OpenAIError
 from serving.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionResponse,
                               ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-                              CompletionChunk, CompletionLogprobs, CompletionResponse, DeltaMessage, TopLogprob, Usage)
+                              CompletionChunk, CompletionLogprobs, CompletionResponse, DeltaFunctionCall, DeltaMessage,
+                              DeltaToolCall, PromptLogprob, PromptLogprobs, TopLogprob, Usage)
+from serving.tool_calls import ToolMode, ToolPlan, finish_reason, new_call_id, parse_tool_calls
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -44,12 +50,21 @@ def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
     return sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
-                        text_offset: int = 0) -> CompletionLogprobs:
-    """Legacy completions format: parallel lists, offsets counted from `text_offset`."""
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
+                        text_offset: int = 0, decode: Callable[[list[int]], str] | None = None) -> CompletionLogprobs:
+    """Legacy completions format: parallel lists, offsets counted from `text_offset`. A None entry (an
+    echoed prompt's first token) has null logprobs, its text from `decode`."""
     out = CompletionLogprobs()
     offset = text_offset
     for token, entry in zip(token_ids, entries):
+        if entry is None:
+            text = decode([token]) if decode else ""
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         chosen = _chosen(entry, token)
         text = chosen.decoded_token or ""
         out.tokens.append(text)
@@ -74,24 +89,64 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
     return ChatChoiceLogprobs(content=content)
 
 
+def _prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                                    for t, lp in e.items()} for e in entries]
+
+
+@dataclass(slots=True)
+class _Echo:
+    texts: list[str]
+    token_ids: list[list[int]]
+    only: bool  # max_tokens 0: the prompt alone
+    decode: Callable[[list[int]], str]
+
+
 class ResponseView:
     """One OpenAI request's view of its engine requests: indexes choices, accumulates, renders."""
 
     def __init__(self, request_id: str, model: str, n: int, prompt_lens: list[int], chat: bool,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, tools: ToolPlan | None = None) -> None:
         self.request_id, self.model, self.n, self.chat, self.k = request_id, model, n, chat, logprobs
+        self.tools = tools if tools is not None and tools.calls_tools else None
+        self._named_started: set[int] = set()
         self.prompt_lens = prompt_lens
         self.created = int(time.time())
         self.choices = [ChoiceState() for _ in range(n * len(prompt_lens))]
+        self.prompt_logprobs: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompt_lens)
+        self._echo: _Echo | None = None
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out already
+
+    def echo(self, texts: list[str], token_ids: list[list[int]], only: bool, decode: Callable[[list[int]], str]) -> None:
+        """Start every choice with its prompt (completions `echo`); `only`: nothing after it."""
+        self._echo = _Echo(texts, token_ids, only, decode)
+
+    def _with_prompt(self, p: int, c: CompletionOutput, first: bool) -> CompletionOutput:
+        """`c` as shown with echo: the prompt before the first delta, generated tokens dropped if `only`."""
+        e = self._echo
+        if e is None:
+            return c
+        text, ids, lps = ("", [], []) if e.only else (c.text, c.token_ids, c.logprobs or [])
+        if first:
+            prompt_lps = self.prompt_logprobs[p] or [None] * len(e.token_ids[p])
+            text, ids, lps = e.texts[p] + text, e.token_ids[p] + ids, prompt_lps + lps
+        return replace(c, text=text, token_ids=ids, logprobs=lps)
+
+    def _record(self, p: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = out.prompt_logprobs
 
     def usage(self) -> Usage:
         prompt = sum(self.prompt_lens)
-        completion = sum(len(c.token_ids) for c in self.choices)
+        completion = 0 if self._echo and self._echo.only else sum(len(c.token_ids) for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     async def collect(self, streams: list[RequestStream]):
         async def drain(p: int, stream: RequestStream) -> None:
             async for out in stream:
+                self._record(p, out)
                 for c in out.outputs:
                     self.choices[p * self.n + c.index].add(c)
 
@@ -103,17 +158,30 @@ class ResponseView:
             for s in streams:
                 s.close()
         if self.chat:
-            choices = [ChatCompletionChoice(
-                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                logprobs=None if self.k is None else chat_logprobs(c.token_ids, c.logprobs, self.k))
-                for i, c in enumerate(self.choices)]
-            return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage())
-        choices = [CompletionChoice(
-            index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            logprobs=None if self.k is None else completion_logprobs(c.token_ids, c.logprobs, self.k))
-            for i, c in enumerate(self.choices)]
+            choices = []
+            for i, c in enumerate(self.choices):
+                content, calls = parse_tool_calls(self.tools, c.text) if self.tools else (c.text, [])
+                choices.append(ChatCompletionChoice(
+                    index=i, message=ChatResponseMessage(content=content, tool_calls=calls),
+                    finish_reason=finish_reason(self.tools, calls, c.finish_reason) if self.tools else c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=None if self.k is None else chat_logprobs(c.token_ids, c.logprobs, self.k)))
+            return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage(),
+                                          prompt_logprobs=_prompt_logprobs_json(self.prompt_logprobs[0]))
+        choices = []
+        for i, state in enumerate(self.choices):
+            p = i // self.n
+            c = self._with_prompt(p, CompletionOutput(i, state.text, state.token_ids, None, state.logprobs), True)
+            choices.append(CompletionChoice(
+                index=i, text=c.text, finish_reason=state.finish_reason, stop_reason=state.stop_reason,
+                prompt_logprobs=_prompt_logprobs_json(self.prompt_logprobs[p]),
+                logprobs=None if self.k is None else completion_logprobs(c.token_ids, c.logprobs, self.k,
+                                                                         decode=self._decode)))
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage())
+
+    @property
+    def _decode(self) -> Callable[[list[int]], str] | None:
+        return None if self._echo is None else self._echo.decode
 
     async def stream(self, streams: list[RequestStream], include_usage: bool) -> AsyncIterator[str]:
         """SSE events: one per choice per engine step, then usage if asked, then `[DONE]`."""
@@ -123,14 +191,22 @@ class ResponseView:
                     yield _event(ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
                         ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
             async for p, out in _merge(streams):
+                self._record(p, out)
                 for c in out.outputs:
                     i = p * self.n + c.index
                     state = self.choices[i]
                     if state.finish_reason is not None or (not c.token_ids and c.finish_reason is None):
                         continue
-                    offset = len(state.text)
+                    first = i not in self._echoed
+                    self._echoed.add(i)
+                    offset = len(state.text) + (len(self._echo.texts[p]) if self._echo and not first else 0)
                     state.add(c)
-                    yield _event(self._chunk(i, c, offset))
+                    if self.tools is not None:
+                        for chunk in self._tool_chunks(i, c, state, offset):
+                            yield _event(chunk)
+                    else:
+                        yield _event(self._chunk(i, self._with_prompt(p, c, first), offset,
+                                                 self.prompt_logprobs[p] if first else None))
             if include_usage:
                 chunk_cls = ChatCompletionChunk if self.chat else CompletionChunk
                 yield _event(chunk_cls(id=self.request_id, created=self.created, model=self.model, choices=[],
@@ -142,14 +218,42 @@ class ResponseView:
                 s.close()
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, i: int, c, offset: int):
+    def _tool_chunks(self, i: int, c, state: ChoiceState, offset: int) -> list[ChatCompletionChunk]:
+        """A named call streams its arguments as they come (the name first); "required" and "auto" output
+        is parsed when the choice ends, then sent as one delta of content and/or tool calls."""
+        def chunk(delta: DeltaMessage, reason: str | None = None, lp=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
+                ChatStreamChoice(index=i, delta=delta, logprobs=lp, finish_reason=reason)])
+
+        lp = None if self.k is None else chat_logprobs(c.token_ids, c.logprobs or [], self.k)
+        if self.tools.mode is ToolMode.NAMED:
+            chunks = []
+            if i not in self._named_started:
+                self._named_started.add(i)
+                chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id=new_call_id(), type="function",
+                    function=DeltaFunctionCall(name=self.tools.name, arguments=""))])))
+            chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, function=DeltaFunctionCall(arguments=c.text))]), c.finish_reason, lp))
+            return chunks
+        if c.finish_reason is None:
+            return [chunk(DeltaMessage(), None, lp)] if lp is not None else []
+        content, calls = parse_tool_calls(self.tools, state.text)
+        deltas = [DeltaToolCall(index=j, id=call.id, type="function",
+                                function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+                  for j, call in enumerate(calls)]
+        delta = DeltaMessage(content=content or None, tool_calls=deltas or None)
+        return [chunk(delta, finish_reason(self.tools, calls, c.finish_reason), lp)]
+
+    def _chunk(self, i: int, c, offset: int, prompt_logprobs=None):
         if self.chat:
             lp = None if self.k is None else chat_logprobs(c.token_ids, c.logprobs or [], self.k)
             return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
                 ChatStreamChoice(index=i, delta=DeltaMessage(content=c.text), logprobs=lp, finish_reason=c.finish_reason)])
-        lp = None if self.k is None else completion_logprobs(c.token_ids, c.logprobs or [], self.k, offset)
+        lp = None if self.k is None else completion_logprobs(c.token_ids, c.logprobs or [], self.k, offset, self._decode)
         return CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason)])
+            CompletionChoice(index=i, text=c.text, logprobs=lp, finish_reason=c.finish_reason,
+                             prompt_logprobs=_prompt_logprobs_json(prompt_logprobs))])
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

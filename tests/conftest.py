@@ -118,3 +118,11 @@ def deploy_app(serve_url):
         return deploy_named(name, options, serve_url, timeout_s=300)
 
     return deploy
+
+
+@pytest.fixture(scope="session")
+def main_app_url(deploy_app) -> str:
+    """The default-model app shared by server test files (`serving_helpers.MAIN_APP_OPTIONS`)."""
+    from serving_helpers import MAIN_APP_OPTIONS
+
+    return deploy_app("main", **MAIN_APP_OPTIONS)

@@ -8,6 +8,9 @@ import urllib.request
 
 
 API_KEY = "test-key"
+# The default-model app that several server test files share (deployed once per session as "main").
+MAIN_APP_OPTIONS = dict(api_key=API_KEY, max_request_body_bytes=1 << 20, dtype="float32", max_model_len=1024,
+                        enable_auto_tool_choice=True, tool_call_parser="hermes")
 
 
 def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,

@@ -131,7 +131,7 @@ class EngineWorker:
         finally:
             if self._in_flight.pop(rid, None) is not None:  # still running: the caller went away
                 self.loop.abort(rid)
-                self.metrics.forget(rid)
+            self.metrics.forget(rid)  # after the abort is queued, so no later step emits for it
 
     def _admit(self, request: GenerateRequest) -> Rejected | None:
         """None to queue the request, else its refusal (the rule is in `workers/admission.py`)."""

@@ -2,7 +2,10 @@
 
 Decoding only the newest tokens would break characters split across tokens and drop SentencePiece's
 leading spaces, so each step decodes a short window twice (with and without the new tokens) and keeps
-the difference; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token."""
+the difference; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
+
+With `spaces_between_special_tokens=False` (and special tokens kept), a special token that follows
+another one is written as itself, without the space a tokenizer's decoder may put between them (vLLM)."""
 
 from __future__ import annotations
 
@@ -11,10 +14,15 @@ _PROMPT_CONTEXT = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None) -> None:
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self._added: dict[int, str] = {}
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
@@ -32,7 +40,11 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         before = len(self.output_text)
-        self.output_text += full[len(prefix):]
+        new = full[len(prefix):]
+        if len(new_token_ids) == 1 and new_token_ids[0] in self._added and len(self._ids) > 1 \
+                and self._ids[-2] in self._added:
+            new = self._added[new_token_ids[0]]
+        self.output_text += new
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         if not self.stop:
@@ -43,5 +55,5 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         pos, s = min(hits)
-        self.output_text = self.output_text[:pos]
+        self.output_text = self.output_text[:pos + len(s) if self.include_stop_str_in_output else pos]
         return s

@@ -17,7 +17,9 @@ from workers.kv_cache_manager import KVCacheManager
 from workers.model_loader import load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
 from workers.model_setup import build_model, kv_blocks, make_runner, profile_kv_budget
 from workers.models.llama import LlamaForCausalLM
+from workers.onednn_caches import bound_onednn_caches
 from workers.output_processor import OutputKind, OutputProcessor
+from workers.penalties import bad_words_token_ids
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
@@ -25,6 +27,7 @@ from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sizing import resolve_device, resolve_max_model_len
 from workers.step_isolation import execute_isolating
+from workers.structured_output import StructuredOutputManager
 
 
 @dataclass(slots=True)
@@ -66,6 +69,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
+        bound_onednn_caches()
         torch.set_num_threads(config.num_threads)
         path = resolve_model_path(config.model)
         hf_config = load_hf_config(path)
@@ -78,17 +82,21 @@ class Engine:
         if config.tensor_parallel_size > 1:
             from workers.tp_runner import TPModelRunner
 
-            self.runner = TPModelRunner(config, path, hf_config, self.dtype, self.max_model_len)
+            # the grammar bitmask is filled here on the host and goes to rank 0 with the step
+            self.structured = StructuredOutputManager(self.tokenizer, hf_config.vocab_size, config.max_num_seqs)
+            self.runner = TPModelRunner(config, path, hf_config, self.dtype, self.max_model_len, self.structured)
             self.device, self.num_kv_blocks = self.runner.device, self.runner.num_kv_blocks
         else:
             self.device = resolve_device(config.device)
+            self.structured = StructuredOutputManager(self.tokenizer, hf_config.vocab_size, config.max_num_seqs,
+                                                      self.device)
             self.model, attn = build_model(config, files, hf_config, self.dtype, self.device, self.max_model_len)
             budget = (profile_kv_budget(self.model, attn, config, self.dtype, self.device, self.max_model_len)
                       if self.device.type == "cuda" else None)
             self.num_kv_blocks = kv_blocks(config, self.model.args, self.model.part, self.dtype, self.max_model_len,
                                            budget)
             self.runner = make_runner(self.model, attn, config, self.num_kv_blocks, self.dtype, self.device,
-                                      self.max_model_len)
+                                      self.max_model_len, self.structured)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -155,24 +163,37 @@ class Engine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:3]}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds the vocabulary size {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise ValueError(f"{name} ({getattr(params, name)}) exceeds the vocabulary size {self.vocab_size}")
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words or [])
+        if any(t >= self.vocab_size for w in bad_words for t in w):
+            raise ValueError(f"bad_words tokenize to ids outside the model's vocabulary of {self.vocab_size}")
         if (hold_kv or kv_import is not None) and params.n != 1:
             raise ValueError("KV hand-off (hold_kv / kv_import) supports n=1 only")
+        grammar = None if params.structured_outputs is None else self.structured.compile(params.structured_outputs)
         if kv_import is not None:
             if not 0 < kv_import.num_tokens < len(ids):
                 raise ValueError(f"imported KV covers {kv_import.num_tokens} tokens; the prompt has {len(ids)} "
                                  "(at least the last prompt token must be computed here)")
             self.runner.check_kv_payload(kv_import.num_tokens, kv_import.payload)
+            if params.prompt_logprobs is not None:
+                kv_import = None  # prompt logprobs need the prompt's logits: compute it here
         arrival = time.monotonic() if arrival_time is None else arrival_time
         reqs = [Request(request_id if params.n == 1 else f"{request_id}#{i}", ids, params, max_tokens, arrival,
                         priority, self.eos_token_id, parent_id=request_id, index=i,
-                        seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv)
+                        seed=None if params.seed is None else params.seed + i, hold_kv=hold_kv,
+                        bad_words_token_ids=bad_words)
                 for i in range(params.n)]
         imported = self.scheduler.add_request(reqs[0], reqs[1:], kv_import.num_tokens if kv_import else 0)
         try:
             if imported:
                 self.runner.import_kv(reqs[0].block_ids, kv_import.num_tokens, kv_import.payload)
+            if grammar is not None:
+                self.structured.add(reqs, grammar)
             self.outputs.add_request(request_id, prompt if isinstance(prompt, str) else None, reqs, output_kind,
                                      arrival, imported)
         except BaseException:
@@ -227,10 +248,26 @@ class Engine:
             run = run.without({r for r in run.sched.requests if r.status.finished})
         self._computed_tokens += run.sched.total_num_tokens
         sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
-        outputs, stopped = self.outputs.process(sampled, run.output.logprobs, time.monotonic())
+        logprobs = run.output.logprobs
+        if self.structured.active:
+            sampled, logprobs = self._advance_grammars(sampled, logprobs)
+        outputs, stopped = self.outputs.process(sampled, logprobs, time.monotonic(),
+                                                run.output.prompt_logprobs)
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs
+
+    def _advance_grammars(self, sampled: list[Request], logprobs: list) -> tuple[list[Request], list]:
+        """Feed the new tokens to the requests' grammars: a grammar that has ended ends its request
+        ("stop"); a token a grammar refuses fails its whole request. Returns the sequences that go on, with
+        their logprobs."""
+        ended, refused = self.structured.accept(sampled)
+        self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED)
+        if not refused:
+            return sampled, logprobs
+        self._fail(refused)
+        kept = [(r, lp) for r, lp in zip(sampled, logprobs) if (r.parent_id or r.request_id) not in self.failed]
+        return [r for r, _ in kept], [lp for _, lp in kept]
 
     def _fail(self, failed: dict[Request, str]) -> None:
         """Abort each failed sequence's whole request (all `n` of its sequences) and record its error."""

@@ -40,8 +40,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Longest cached prefix of the request, in whole blocks. The last token is always left to
-        compute, since its logits are needed."""
-        if not self.enable_prefix_caching:
+        compute, since its logits are needed. None for a request that skips reading the cache."""
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return []
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

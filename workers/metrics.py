@@ -5,6 +5,8 @@ Each replica keeps its own registry; the ingress scrapes every replica and merge
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from workers.admission import ShedReason
@@ -67,7 +69,8 @@ class EngineMetrics:
                                      "one request's KV.", ["replica", "role", "transport"], buckets=_ITL_BUCKETS,
                                      registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
-        self._last_token_time: dict[str, float] = {}
+        self._last_token_time: dict[str, float] = {}  # unfinished requests' latest token; engine thread only
+        self._ended: deque[str] = deque()  # requests that ended without a finished output (any thread appends)
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
         last = self._last
@@ -104,6 +107,8 @@ class EngineMetrics:
                 self.ttft.observe(m["first_token_time"] - m["arrival_time"])
                 if m.get("first_scheduled_time") is not None:
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
+        while self._ended:
+            self._last_token_time.pop(self._ended.popleft(), None)
 
     def observe_kv_transfer(self, role: str, transport: str, nbytes: int, seconds: float) -> None:
         labels = (self._replica, role, transport)
@@ -115,8 +120,10 @@ class EngineMetrics:
         self._rejected.labels(self._replica, reason.value).inc()
 
     def forget(self, request_id: str) -> None:
-        """Drop per-request state of an aborted request."""
-        self._last_token_time.pop(request_id, None)
+        """Drop the per-request state of a request that ended without a finished output (aborted or failed).
+        Safe from any thread: the state goes at the end of the next `observe_step`, after that step's outputs,
+        since the step running when the request was aborted may still emit a token for it."""
+        self._ended.append(request_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,16 +14,19 @@ import torch
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.models.llama import LlamaForCausalLM
-from workers.sampler import SampleOutput, sample
+from workers.sampler import RowBitmask, SampleOutput, sample
 from workers.scheduler import SchedulerOutput
-from workers.step_inputs import SampleSpec, StepInputs, build_step_inputs
+from workers.step_inputs import StepInputs, build_step_inputs, sampled_requests
 from workers.step_isolation import RequestsFailed
+from workers.structured_output import StructuredOutputManager
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+                 structured: StructuredOutputManager | None = None) -> None:
         a = model.args
+        self.structured = structured
         self.model = model
         self.attn = attn
         self.block_size = block_size
@@ -76,9 +79,11 @@ class ModelRunner:
         """Nothing to stop (see `TPModelRunner.close`)."""
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests' seeded generators."""
+        """Forget finished requests' seeded generators and grammar matchers."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+        if self.structured is not None:
+            self.structured.release(request_ids)
 
     def check_kv_payload(self, num_tokens: int, payload: torch.Tensor) -> None:
         """Raise ValueError unless `payload` is `num_tokens` tokens of KV in this cache's layout."""
@@ -121,26 +126,51 @@ class ModelRunner:
         self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
-        return self.run(build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads))
+        step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
+        logits, targets = self._forward_step(step)
+        if self.structured is not None:  # filled on the host while the device runs the forward pass
+            step.allowed = self.structured.bitmask(sampled_requests(out))
+        return self._sample(logits, step, targets)
 
     def run(self, step: StepInputs) -> SampleOutput:
-        """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`)."""
+        """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`); a
+        grammar bitmask that came with the step (on the host) moves to this runner's device."""
         self.release(step.released)
-        return self._sample(self.forward(step), step.samples)
+        logits, targets = self._forward_step(step)
+        if step.allowed is not None and step.allowed.rows.device != self.device:
+            step.allowed = RowBitmask(step.allowed.rows.to(self.device), step.allowed.bits.to(self.device))
+        return self._sample(logits, step, targets)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
-        """The logits of the step's `logits_indices` rows (a decode-only step replays a CUDA graph when
-        one is captured for its size)."""
-        common = step.common
-        if self.graphs is not None and len(step.samples) == common.query_lens.shape[0] and self.graphs.supports(common):
-            return self.graphs.run(step.input_ids, step.positions, common)
-        ids, positions, logits_indices = self._to_device([step.input_ids, step.positions, step.logits_indices])
-        return self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
+        """The logits of the step's `logits_indices` rows, then of its prompt-logprobs rows if any (a
+        decode-only step replays a CUDA graph when one is captured for its size)."""
+        return self._forward_step(step)[0]
 
-    def _sample(self, logits: torch.Tensor, specs: list[SampleSpec]) -> SampleOutput:
-        """Sample one row per request. Raises `RequestsFailed` naming the requests whose seeded generator
-        could not be built; if sampling fails, seeded generators are put back as they were, so a retry
-        draws the same noise."""
+    def _forward_step(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits and, with a prompt-logprobs plan, the prompt tokens its extra rows score (on
+        the device, in the same copy as the inputs)."""
+        common, plan = step.common, step.prompt_logprobs
+        if (plan is None and self.graphs is not None and len(step.samples) == common.query_lens.shape[0]
+                and self.graphs.supports(common)):
+            return self.graphs.run(step.input_ids, step.positions, common), None
+        parts = [step.input_ids, step.positions, step.logits_indices]
+        if plan is not None:
+            parts = [step.input_ids, step.positions, torch.cat([step.logits_indices, torch.tensor(plan.indices)]),
+                     torch.tensor(plan.targets)]
+        ids, positions, logits_indices, *targets = self._to_device(parts)
+        logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
+        return logits, targets[0] if targets else None
+
+    def _sample(self, logits: torch.Tensor, step: StepInputs, targets: torch.Tensor | None = None) -> SampleOutput:
+        """Sample one row per `step.samples` (the first rows of `logits`; the rest, with `targets`, are the
+        prompt-logprobs plan's). Raises `RequestsFailed` naming the requests whose seeded generator could
+        not be built; if sampling fails, seeded generators are put back as they were, so a retry draws the
+        same noise. Grammar-constrained rows sample from their allowed tokens."""
+        specs, plan = step.samples, step.prompt_logprobs
+        extra = None
+        if plan is not None:
+            extra = plan.pack(logits[len(specs):], targets)
+            logits = logits[:len(specs)]
         gens: list[torch.Generator | None] = []
         failures: dict[str, str] = {}
         for spec in specs:
@@ -152,8 +182,12 @@ class ModelRunner:
             raise RequestsFailed(failures)
         states = [(g, g.get_state()) for g in gens if g is not None]
         try:
-            return sample(logits, [s.params for s in specs], gens, [s.ban for s in specs])
+            result = sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
+                            [s.history for s in specs], extra, step.allowed)
         except BaseException:
             for g, state in states:
                 g.set_state(state)
             raise
+        if plan is not None:
+            result.prompt_logprobs = plan.unpack(result.extra)
+        return result

@@ -15,6 +15,7 @@ from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 from workers.models.llama import LlamaForCausalLM, ModelArgs
 from workers.sizing import gpu_kv_budget, num_kv_blocks
+from workers.structured_output import StructuredOutputManager
 from workers.tensor_parallel import Partition, TPShard
 
 
@@ -52,8 +53,9 @@ def kv_blocks(config: EngineConfig, args: ModelArgs, part: Partition, dtype: tor
 
 
 def make_runner(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, num_blocks: int,
-                dtype: torch.dtype, device: torch.device, max_model_len: int) -> ModelRunner:
-    runner = ModelRunner(model, attn, num_blocks, config.block_size, dtype, config.seed, device)
+                dtype: torch.dtype, device: torch.device, max_model_len: int,
+                structured: StructuredOutputManager | None = None) -> ModelRunner:
+    runner = ModelRunner(model, attn, num_blocks, config.block_size, dtype, config.seed, device, structured)
     # CUDA graphs capture one process's kernels; a tensor-parallel step's collectives run eagerly
     if device.type == "cuda" and not config.enforce_eager and attn.name == "triton" and model.tp.size == 1:
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len)

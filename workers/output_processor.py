@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from workers.detokenizer import IncrementalDetokenizer
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
+from workers.prompt_logprobs import PromptLogprobsChunk
 from workers.request import Request, RequestStatus
 
 
@@ -49,6 +50,8 @@ class _Group:
     first_token_time: float | None = None
     counted_prompt: bool = False
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -76,9 +79,12 @@ class OutputProcessor:
         """Track a request whose completions are `requests` (one per `n`, sharing the prompt)."""
         ids = requests[0].prompt_token_ids
         group = _Group(request_id, prompt, ids, [], output_kind, arrival_time, kv_imported)
+        if requests[0].sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         for req in requests:
             p = req.sampling_params
-            detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop_strings)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop_strings,
+                                           p.include_stop_str_in_output, p.spaces_between_special_tokens)
             want_lp = p.logprobs is not None
             seq = _Sequence(req, detok, [] if want_lp else None, 0.0 if want_lp else None)
             group.seqs.append(seq)
@@ -103,9 +109,14 @@ class OutputProcessor:
         self.finished["abort"] += len(live)
         return [s.request for s in live]
 
-    def process(self, sampled: list[Request], logprobs: list, now: float) -> tuple[list[RequestOutput], list[Request]]:
-        """Detokenize each request's new token and check its stop strings. Returns the outputs of the
-        requests that made progress, and the requests a stop string ended (still running in the scheduler)."""
+    def process(self, sampled: list[Request], logprobs: list, now: float,
+                prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None) -> tuple[list[RequestOutput], list[Request]]:
+        """Record prompt logprobs, detokenize each request's new token and check its stop strings. Returns
+        the outputs of the requests that made progress, and the requests a stop string ended (still running
+        in the scheduler)."""
+        for rid, chunk in (prompt_logprobs or {}).items():
+            if rid in self._seq_of:
+                self._record_prompt_logprobs(self._seq_of[rid][0], chunk)
         touched: dict[str, _Group] = {}
         stopped: list[Request] = []
         for req, lp in zip(sampled, logprobs):
@@ -154,14 +165,25 @@ class OutputProcessor:
         self.finished["handoff" if handoff else seq.finish_reason] += 1  # handoff: the decode pool goes on
         return True
 
-    def _record_logprobs(self, seq: _Sequence, token: int, lp: tuple) -> None:
+    def _logprob_entry(self, token: int, lp: tuple) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the top-k by rank, plus the actual token with its own rank."""
         chosen_lp, rank, top_ids, top_lps = lp
         entry = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids, top_lps))}
         entry[token] = Logprob(chosen_lp, rank)
         for tid, item in entry.items():
             item.decoded_token = self.tokenizer.decode([tid])
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += chosen_lp
+        return entry
+
+    def _record_logprobs(self, seq: _Sequence, token: int, lp: tuple) -> None:
+        seq.logprobs.append(self._logprob_entry(token, lp))
+        seq.cumulative_logprob += lp[0]
+
+    def _record_prompt_logprobs(self, group: _Group, chunk: PromptLogprobsChunk) -> None:
+        """Append a chunk's scores; positions already recorded (a recomputed prompt, a sibling) are skipped."""
+        have = len(group.prompt_logprobs) - 1
+        ids = group.prompt_token_ids
+        for pos in range(max(have, chunk.start), chunk.start + len(chunk.entries)):
+            group.prompt_logprobs.append(self._logprob_entry(ids[pos + 1], chunk.entries[pos - chunk.start]))
 
     def _make_output(self, group: _Group) -> RequestOutput:
         delta = group.output_kind is OutputKind.DELTA
@@ -180,5 +202,8 @@ class OutputProcessor:
                                          None if lps is None else list(lps), seq.finish_reason, req.stop_reason))
         first = group.seqs[0].request
         cached = max(first.num_cached_tokens, 0)
+        prompt_lps = group.prompt_logprobs
+        if delta and prompt_lps is not None:
+            prompt_lps, group.sent_prompt_logprobs = None if group.sent_prompt_logprobs else prompt_lps, True
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished, cached,
-                             group.metrics)
+                             group.metrics, prompt_lps)

@@ -32,3 +32,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # None, then per prompt token its top-k and actual token (when asked; in delta outputs, the first only)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

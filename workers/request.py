@@ -47,6 +47,7 @@ class Request:
     predicted_cost: float = 0.0
     fork_source: Request | None = None  # an n>1 sibling whose prompt blocks this request may share
     hold_kv: bool = False  # prefill replica: keep the blocks when the request finishes, until released
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # see workers/penalties.py
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -55,6 +56,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request that wants prompt logprobs computes its whole prompt: cached blocks hold no logits."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from workers.structured_params import StructuredOutputsParams
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_N = 1024
@@ -16,6 +18,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 128
 
 
 def check_int(name: str, value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> None:
@@ -30,6 +34,14 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_range(name: str, value: object, low: float, high: float) -> float:
+    """`value` as a float, or ValueError naming `name` unless it is a finite number in [low, high]."""
+    x = _check_float(name, value)
+    if not low <= x <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value!r}")
+    return x
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample one request's completion(s).
@@ -37,8 +49,11 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k == -1` (or 0) and `top_p == 1` disable those filters; a
     `top_k` above the vocabulary size keeps the whole vocabulary. `stop` strings are matched on the
     detokenized text and excluded from it; `stop_token_ids` end the completion like EOS (and are kept in
-    the token ids, not in the text). Fields changed after construction are checked again by `validate()`,
-    which the engine calls on every request it takes.
+    the token ids, not in the text) unless `include_stop_str_in_output`. Penalties, `min_p`, `logit_bias` and
+    `bad_words` have vLLM's meanings (see `workers/penalties.py`); `prompt_logprobs` asks for the top
+    log-probabilities at each prompt position. `structured_outputs` constrains the output to a JSON
+    schema, a regex, a choice or a grammar (`StructuredOutputsParams`). Fields changed after construction are checked again by `validate()`, which the engine calls on every
+    request it takes.
     """
 
     n: int = 1
@@ -53,6 +68,16 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +102,8 @@ class SamplingParams:
         check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        self._check_logit_adjustments()
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._stop = self._check_stop()
@@ -90,6 +116,43 @@ class SamplingParams:
             check_int("each of stop_token_ids", token, 0)
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
+
+    def _check_logit_adjustments(self) -> None:
+        """Penalties, min_p, logit_bias, bad_words and prompt_logprobs."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_range(name, getattr(self, name), -2.0, 2.0)
+        if _check_float("repetition_penalty", self.repetition_penalty) <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+            for token, bias in self.logit_bias.items():
+                check_int("each logit_bias token id", token, 0)
+                _check_range(f"logit_bias[{token}]", bias, -100.0, 100.0)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words has {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are allowed")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_STOP_STRING_CHARS} characters")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this row's logits before it picks (penalties or logit_bias)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
 
     def _check_stop(self) -> list[str]:
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):

@@ -1,5 +1,7 @@
 """One scheduled step as plain host tensors and sampling specs: what the model runner needs, with no
-`Request` objects, so that the same message runs a local model or goes to every tensor-parallel rank."""
+`Request` objects, so that the same message runs a local model or goes to every tensor-parallel rank.
+Everything the sampler needs travels with it: params, bans (min_tokens, bad words), token histories for
+penalties, the grammar bitmask of constrained rows and the prompt-logprobs plan."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import CommonAttentionMetadata
+from workers.penalties import History, bad_words_ban
+from workers.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs
 from workers.request import Request
+from workers.sampler import RowBitmask
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerOutput
 from workers.step_isolation import RequestsFailed
@@ -16,13 +21,14 @@ from workers.step_isolation import RequestsFailed
 
 @dataclass(slots=True)
 class SampleSpec:
-    """How one request samples this step: its own seed (if any), its params and the tokens it may not
-    pick yet (`min_tokens`)."""
+    """How one request samples this step: its own seed (if any), its params, the tokens it may not pick
+    now (`min_tokens`, bad words) and its token history (only when its params adjust logits)."""
 
     request_id: str
     seed: int | None
     params: SamplingParams
     ban: list[int] | None
+    history: History | None = None
 
 
 @dataclass(slots=True)
@@ -33,6 +39,8 @@ class StepInputs:
     common: CommonAttentionMetadata
     samples: list[SampleSpec]
     released: list[str] = field(default_factory=list)  # finished requests whose generators can go
+    prompt_logprobs: PromptLogprobsPlan | None = None  # extra logits rows that score prompt tokens
+    allowed: RowBitmask | None = None  # grammar-constrained rows' allowed tokens (host tensors when sent)
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num_kv_heads: int) -> StepInputs:
@@ -56,12 +64,24 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
     slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
 
-    rows = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
+    rows = _sample_rows(out)
     logits_indices = query_start_loc[1:][rows] - 1
     common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
                                      num_heads, num_kv_heads)
+    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, query_start_loc[:-1].tolist())
     return StepInputs(torch.tensor(input_ids), positions, logits_indices, common,
-                      _sample_specs([reqs[i] for i in rows]))
+                      _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
+
+
+def _sample_rows(out: SchedulerOutput) -> list[int]:
+    """The scheduled requests that sample this step: those whose chunk reaches their last token."""
+    return [i for i, (r, n) in enumerate(zip(out.requests, out.num_new_tokens))
+            if r.num_computed_tokens + n == r.num_tokens]
+
+
+def sampled_requests(out: SchedulerOutput) -> list[Request]:
+    """The requests of `out` that sample this step, in the order of the step's sampling rows."""
+    return [out.requests[i] for i in _sample_rows(out)]
 
 
 def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
@@ -69,7 +89,9 @@ def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
     failures: dict[str, str] = {}
     for r in sampled:
         try:
-            specs.append(SampleSpec(r.request_id, r.seed, r.sampling_params, _min_tokens_ban(r)))
+            p = r.sampling_params
+            history = (r.all_token_ids, r.num_prompt_tokens) if p.adjusts_logits else None
+            specs.append(SampleSpec(r.request_id, r.seed, p, _ban(r), history))
         except Exception as e:
             failures[r.request_id] = f"{type(e).__name__}: {e}"
     if failures:
@@ -77,10 +99,13 @@ def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
     return specs
 
 
-def _min_tokens_ban(req: Request) -> list[int] | None:
-    """Tokens that would stop the request before its `min_tokens` are out: EOS and the stop token ids."""
+def _ban(req: Request) -> list[int] | None:
+    """Tokens the request may not pick now: those that would stop it before its `min_tokens` are out (EOS
+    and the stop token ids), and the last tokens of bad words the output would complete."""
     p = req.sampling_params
-    if req.num_output_tokens >= p.min_tokens:
-        return None
-    eos = [] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]
-    return eos + p.stop_token_ids or None
+    banned = []
+    if req.num_output_tokens < p.min_tokens:
+        banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
+    if req.bad_words_token_ids:
+        banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)
+    return banned or None

@@ -60,7 +60,9 @@ class IsolatedStep:
             if row is not None:
                 tokens.append(row[0])
                 logprobs.append(row[1])
-        return IsolatedStep(kept, SampleOutput(tokens, logprobs), self.failed)
+        dropped = {r.request_id for r in drop}
+        prompt_lps = {rid: c for rid, c in self.output.prompt_logprobs.items() if rid not in dropped}
+        return IsolatedStep(kept, SampleOutput(tokens, logprobs, prompt_lps), self.failed)
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
@@ -104,5 +106,6 @@ def _bisect(execute: Callable[[SchedulerOutput], SampleOutput], sched: Scheduler
     merged = SchedulerOutput(first.sched.requests + second.sched.requests,
                              first.sched.num_new_tokens + second.sched.num_new_tokens, sched.preempted)
     output = SampleOutput(first.output.token_ids + second.output.token_ids,
-                          first.output.logprobs + second.output.logprobs)
+                          first.output.logprobs + second.output.logprobs,
+                          first.output.prompt_logprobs | second.output.prompt_logprobs)
     return IsolatedStep(merged, output, first.failed | second.failed)

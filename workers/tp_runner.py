@@ -27,8 +27,9 @@ from workers.model_runner import ModelRunner
 from workers.model_setup import kv_blocks
 from workers.sampler import SampleOutput
 from workers.scheduler import SchedulerOutput
-from workers.step_inputs import build_step_inputs
+from workers.step_inputs import build_step_inputs, sampled_requests
 from workers.step_isolation import RunnerUnavailable
+from workers.structured_output import StructuredOutputManager
 from workers.tensor_parallel import TPShard
 from workers.tp_worker import TPWorker
 
@@ -55,7 +56,7 @@ class TPModelRunner:
     """The same calls as `ModelRunner` that the engine makes, served by `config.tensor_parallel_size` ranks."""
 
     def __init__(self, config: EngineConfig, model_path: str, hf_config, dtype: torch.dtype,
-                 max_model_len: int) -> None:
+                 max_model_len: int, structured: StructuredOutputManager | None = None) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -64,6 +65,7 @@ class TPModelRunner:
         self.part = args.partition(TPShard(0, size))  # raises unless the model splits `size` ways
         self.kv_ranges = [args.partition(TPShard(rank, size)).kv_heads for rank in range(size)]
         self.block_size, self.timeout_s = config.block_size, config.distributed_timeout_s
+        self.structured = structured  # fills the grammar bitmask here; rank 0 applies it
         self.unavailable: str | None = None  # why no step can run any more: a rank was lost
         self._released: list[str] = []
         _ensure_ray(size)
@@ -103,6 +105,8 @@ class TPModelRunner:
         import ray
 
         step = build_step_inputs(out, self.block_size, self.part.num_heads, self.part.num_kv_heads)
+        if self.structured is not None:
+            step.allowed = self.structured.bitmask(sampled_requests(out))
         step.released, self._released = self._released, []
         ref = ray.put(step)
         refs = [w.execute.remote(ref) for w in self.workers]
@@ -158,8 +162,11 @@ class TPModelRunner:
             self._lose(f"a tensor-parallel rank died: {e}")
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests' seeded generators (on rank 0, with the next step)."""
+        """Forget finished requests' grammar matchers (here) and seeded generators (on rank 0, with the
+        next step)."""
         self._released += request_ids
+        if self.structured is not None:
+            self.structured.release(request_ids)
 
     check_kv_payload = ModelRunner.check_kv_payload  # against the logical (all heads) cache shape
 

@@ -51,6 +51,11 @@ def test_burst_offline_systems_write_json_and_plots(tiny_model_dir: str, tmp_pat
     assert static4["padding_waste"] == pytest.approx(1 - sum(want) / padded)
     out = capsys.readouterr().out
     assert "× naive" in out and "kvrelay engine (offline)" in out
+    assert payload["ceilings"]["threads"] >= 1 and payload["model_shape"]["num_layers"] == 2
+    for run in payload["runs"]:  # every system judged by the compute roofline of the same useful work
+        assert run["roofline"]["bound"] == "compute" and run["roofline"]["fraction"] > 0
+    assert len({r["roofline"]["flops"] for r in payload["runs"]}) == 1
+    assert "× compute roofline" in out and "Ceilings of this machine" in out
     stem = next(tmp_path.glob("*.json")).stem
     assert_png(tmp_path / f"{stem}-throughput.png")
     assert_png(tmp_path / f"{stem}-relative.png")
@@ -59,7 +64,7 @@ def test_burst_offline_systems_write_json_and_plots(tiny_model_dir: str, tmp_pat
 def test_poisson_offline_engine_times_every_request(tiny_model_dir: str, tmp_path: Path) -> None:
     rc = bench.main(["poisson", "--offline", "--qps", "40", "--num-requests", "8", "--model", tiny_model_dir,
                      "--dtype", "float32", "--engine-option", "kv_cache_memory=64MiB", "--out", str(tmp_path),
-                     "--plot", "--no-progress"])
+                     "--plot", "--no-progress", "--no-ceilings"])
     assert rc == 0
     payload = only_json(tmp_path)
     (run,) = payload["runs"]
@@ -75,7 +80,7 @@ def test_poisson_and_compare_against_a_real_server(deploy_app, tiny_model_dir: s
     for qps, sub in ((30.0, "a"), (60.0, "b")):
         out = tmp_path / sub
         rc = bench.main(["poisson", "--url", url, "--qps", str(qps), "--num-requests", "10", "--tokenizer",
-                         tiny_model_dir, "--out", str(out), "--no-progress"])
+                         tiny_model_dir, "--out", str(out), "--no-progress", "--no-ceilings"])
         assert rc == 0
         payload = only_json(out)
         (run,) = payload["runs"]
@@ -155,10 +160,17 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["poisson", "--offline", "--request-rate", "-1"], "--request-rate"),
     (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
     (["policies", "--policies", "fcfs,lifo"], "unknown policies: lifo; choose from fcfs, priority, sjf, predicted"),
+    (["single", "--offline", "--output-len", "0"], "--output-len must be >= 1"),
 ])
 def test_bad_command_lines_fail_clearly(argv: list[str], needle: str, capsys) -> None:
     assert bench.main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_model_folder_without_a_config_names_the_way_out(tmp_path: Path, default_model_dir: str, capsys) -> None:
+    assert bench.main(["single", "--offline", "--model", str(tmp_path), "--tokenizer", default_model_dir]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json" in err and "--no-ceilings" in err
 
 
 def test_kvrelay_cli_dispatches_to_bench(capsys) -> None:
@@ -209,7 +221,7 @@ def fake_server() -> Iterator[tuple[Any, str]]:
 def test_burst_against_a_url_sends_the_workload_unstreamed(tmp_path: Path, default_model_dir: str) -> None:
     with fake_server() as (server, url):
         rc = bench.main(["burst", "--url", url, "--model", "m", "--caps", "16", "--num-requests", "6",
-                         "--out", str(tmp_path), "--plot", "--no-progress"])
+                         "--out", str(tmp_path), "--plot", "--no-progress", "--no-ceilings"])
     assert rc == 0
     (run,) = only_json(tmp_path)["runs"]
     want = burst_output_lens(16)[:6]
@@ -225,7 +237,7 @@ def test_random_workload_honours_rate_and_concurrency(tmp_path: Path, default_mo
     with fake_server() as (server, url):
         rc = bench.main(["random", "--url", url, "--model", "m", "--num-requests", "20", "--input-len", "50",
                          "--output-len", "10", "--range-ratio", "0.5", "--request-rate", "200", "--burstiness", "0.5",
-                         "--max-concurrency", "3", "--out", str(tmp_path), "--no-progress"])
+                         "--max-concurrency", "3", "--out", str(tmp_path), "--no-progress", "--no-ceilings"])
     assert rc == 0
     (run,) = only_json(tmp_path)["runs"]
     assert run["metrics"]["completed"] == 20 and run["qps"] == 200
@@ -237,7 +249,7 @@ def test_random_workload_honours_rate_and_concurrency(tmp_path: Path, default_mo
 def test_failed_requests_are_counted_and_fail_the_run(tmp_path: Path, default_model_dir: str) -> None:
     with fake_server() as (_, url):
         rc = bench.main(["poisson", "--url", url + "/bad", "--model", "m", "--qps", "100", "--num-requests", "5",
-                         "--out", str(tmp_path), "--no-progress"])
+                         "--out", str(tmp_path), "--no-progress", "--no-ceilings"])
     assert rc == 1
     (run,) = only_json(tmp_path)["runs"]
     assert run["metrics"]["failed"] == 5 and run["metrics"]["completed"] == 0
@@ -277,3 +289,58 @@ def test_servers_run_after_every_in_process_system() -> None:
     order = runners._run_order(["hf-naive", "server", "engine"], [16, 64])
     assert order == [("hf-naive", 16), ("engine", 16), ("hf-naive", 64), ("engine", 64), ("server", 16), ("server", 64)]
     assert runners._run_order(["url"], [1.0]) == [("url", 1.0)]
+
+
+def test_single_offline_runs_one_stream_at_a_time_against_the_bandwidth_roofline(tiny_model_dir: str, tmp_path: Path,
+                                                                                    capsys) -> None:
+    rc = bench.main(["single", "--offline", "--num-requests", "2", "--input-len", "32", "--output-len", "16",
+                     "--model", tiny_model_dir, "--dtype", "float32", "--engine-option", "kv_cache_memory=64MiB",
+                     "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    payload = only_json(tmp_path)
+    (run,) = payload["runs"]
+    m = run["metrics"]
+    assert payload["workload"] == "single" and run["family"] == "engine"
+    assert m["completed"] == 2 and m["total_input_tokens"] == 64 and m["total_output_tokens"] == 32
+    assert payload["ceilings"]["dtype"] == "float32" and payload["ceilings"]["read_gbs"] > 0
+    rf = run["roofline"]
+    assert rf["bound"] == "memory" and rf["decode_context"] == 32 + 8
+    assert rf["decode_tok_s"] == pytest.approx(1000 / m["median_tpot_ms"])
+    assert rf["fraction"] == pytest.approx(rf["decode_tok_s"] / rf["decode_ceiling_tok_s"])
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "× bandwidth roofline" in out
+
+
+def test_single_against_a_url_streams_one_request_at_a_time(tmp_path: Path, default_model_dir: str) -> None:
+    with fake_server() as (server, url):
+        rc = bench.main(["single", "--url", url, "--model", "m", "--num-requests", "3", "--max-concurrency", "8",
+                         "--out", str(tmp_path), "--no-progress", "--no-ceilings"])
+    assert rc == 0
+    payload = only_json(tmp_path)
+    (run,) = payload["runs"]
+    assert run["metrics"]["completed"] == 3 and "roofline" not in run and "ceilings" not in payload
+    assert server.max_in_flight == 1
+    bodies = server.bodies[1:]
+    assert all(b["stream"] and len(b["prompt"]) == 128 and b["max_tokens"] == 128 for b in bodies)
+    assert len({tuple(b["prompt"]) for b in bodies}) == 3  # distinct prompts: no prefix-cache hits
+
+
+def test_roofline_table_and_compare_print_each_runs_fraction() -> None:
+    roofline = {"bound": "memory", "fraction": 0.42, "flops": 3e12, "achieved_gflops": 30.0, "compute_seconds": 10.0,
+                "compute_fraction": 0.1, "bytes_per_token": 270e6, "decode_tok_s": 21.0, "decode_ceiling_tok_s": 50.0,
+                "decode_fraction": 0.42}
+    with_roofline = {**run_record("server", "server", 80.0, cap=None, qps=4.0, e2e_ms=3000.0), "roofline": roofline}
+    table = report.roofline_table([with_roofline, run_record("engine", "engine", 100.0)])
+    (row,) = [line for line in table.splitlines() if "kvrelay serve" in line]
+    cells = [c.strip() for c in row.strip().strip("|").split("|")]
+    head = [c.strip() for c in table.splitlines()[0].strip().strip("|").split("|")]
+    by = dict(zip(head, cells))
+    assert by["param"] == "QPS 4" and by["bound"] == "memory" and by["× bandwidth roofline"] == "0.42"
+    assert by["× compute roofline"] == "0.10" and by["GFLOP/s"] == "30.0" and by["ceiling tok/s"] == "50.0"
+    assert "engine" not in table  # a run without a roofline (--no-ceilings, an older file) has no row
+    old = {"format": report.FORMAT, "workload": "poisson", "runs": [run_record("engine", "engine", 100.0, cap=None,
+                                                                              qps=4.0, e2e_ms=2000.0)]}
+    new = {"format": report.FORMAT, "workload": "poisson", "runs": [with_roofline]}
+    by = _cells(report.compare_table([("old", old), ("new", new)]))
+    assert by[("QPS 4", "server (new)")][10] == "0.42 (memory)" and by[("QPS 4", "engine (old)")][10] == "-"
+    assert report.roofline_tables(old) == []

@@ -128,6 +128,16 @@ def test_help_shows_every_default(command, monkeypatch, capsys):
         assert blocks["--max-request-body-bytes"].endswith(f"(default: {8 << 20})")
 
 
+def test_served_model_name_takes_several_names_as_in_vllm():
+    parser = argparse.ArgumentParser()
+    add_app_options(parser)
+    args = parser.parse_args(["--served-model-name", "smol", "smol-alias", "--chat-template", "{{ x }}",
+                              "--trust-request-chat-template"])
+    assert args.served_model_name == ["smol", "smol-alias"] and args.trust_request_chat_template
+    config = app_config_from_args(argparse.Namespace(**vars(args), **vars(_engine_parser().parse_args([]))))
+    assert config.served_model_name == ["smol", "smol-alias"] and config.chat_template == "{{ x }}"
+
+
 def test_a_field_type_without_a_flag_form_is_refused():
     assert flag_options("size", int | str) == {"type": str}
     with pytest.raises(TypeError, match="sizes.*command-line"):

@@ -4,24 +4,27 @@ default model. float32 so greedy outputs are comparable token for token with the
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
-from serving_helpers import API_KEY, http, metric_sum, scrape
+from serving_helpers import API_KEY, MAIN_APP_OPTIONS, http, metric_sum, scrape
 
 from serving import LLM, SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
-BODY_LIMIT = 1 << 20
+BODY_LIMIT = MAIN_APP_OPTIONS["max_request_body_bytes"]
 ENGINE = dict(dtype="float32", max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
-def url(deploy_app):
-    return deploy_app("main", api_key=API_KEY, max_request_body_bytes=BODY_LIMIT, **ENGINE)
+def url(main_app_url):
+    return main_app_url
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +223,14 @@ def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, dict, int]]:
         ("invalid JSON", "/v1/completions", b'{"model": "x", "prompt": ', {**auth, "Content-Type": "application/json"}, 400),
         ("max_tokens as a string", "/v1/completions", {**ok, "max_tokens": "4"}, auth, 400),
         ("prompt as a number", "/v1/completions", {**ok, "prompt": 42}, auth, 400),
-        ("unknown field", "/v1/completions", {**ok, "frobnicate": True}, auth, 400),
+        ("known field of the wrong type", "/v1/chat/completions", {**chat, "add_generation_prompt": 1}, auth, 400),
+        ("image content part", "/v1/chat/completions",
+         {**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, auth, 400),
+        ("untrusted request chat template", "/v1/chat/completions", {**chat, "chat_template": "{{ 1 }}"}, auth, 400),
+        ("token id outside the vocabulary to detokenize", "/detokenize", {"model": MODEL, "tokens": [10**9]}, auth, 400),
+        ("tokenize for an unknown model", "/tokenize", {"model": "gpt-5", "prompt": "x"}, auth, 404),
+        ("tokenize without an API key", "/tokenize", {"model": MODEL, "prompt": "x"}, {}, 401),
+        ("detokenize without an API key", "/detokenize", {"model": MODEL, "tokens": [1]}, {}, 401),
         ("missing prompt", "/v1/completions", {"model": MODEL}, auth, 400),
         ("max_tokens 0", "/v1/completions", {**ok, "max_tokens": 0}, auth, 400),
         ("temperature -1", "/v1/completions", {**ok, "temperature": -1}, auth, 400),
@@ -237,6 +247,11 @@ def _bad_requests(tokenizer) -> list[tuple[str, str, bytes | dict, dict, int]]:
         ("empty messages", "/v1/chat/completions", {**chat, "messages": []}, auth, 400),
         ("unknown message role", "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}, auth, 400),
         ("top_logprobs without logprobs", "/v1/chat/completions", {**chat, "top_logprobs": 2}, auth, 400),
+        ("invalid JSON schema", "/v1/chat/completions", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, auth, 400),
+        ("invalid guided_regex", "/v1/completions", {**ok, "guided_regex": "(a"}, auth, 400),
+        ("tool_choice names no tool", "/v1/chat/completions", {**chat, "tools": [WEATHER_TOOL], "tool_choice": {
+            "type": "function", "function": {"name": "nope"}}}, auth, 400),
         ("unknown model", "/v1/completions", {**ok, "model": "gpt-5"}, auth, 404),
         ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, auth, 404),
         ("missing API key", "/v1/completions", ok, {}, 401),
@@ -258,6 +273,7 @@ def test_bad_requests_get_openai_errors(url, tokenizer):
         assert isinstance(err["message"], str) and err["message"], name
         assert isinstance(err["type"], str) and {"param", "code"} <= set(err), name
     assert http("GET", f"{url}/health")[0] == 200  # open without a key
+    assert http("GET", f"{url}/version")[0] == 200  # open without a key, as in vLLM
     assert http("GET", f"{url}/v1/models")[0] == 401
     status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4},
                         {"Authorization": f"Bearer {API_KEY}"})
@@ -275,3 +291,73 @@ def test_openai_client_raises_on_errors(client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="x")
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                               "required": ["city"], "additionalProperties": False}}}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_response_format_json_schema_and_guided_choice(client, offline):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    resp = client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=40, temperature=0,
+                                          response_format=fmt)
+    jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
+    assert resp.choices[0].finish_reason == "stop"
+    choices = ["positive", "negative"]
+    review = [{"role": "user", "content": "Is 'I loved it' positive or negative?"}]
+    picked = client.chat.completions.create(model=MODEL, messages=review, max_tokens=8, temperature=0,
+                                            extra_body={"guided_choice": choices})
+    assert picked.choices[0].message.content in choices
+    regex = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": " [12][0-9]{3}"}})
+    assert re.fullmatch(" [12][0-9]{3}", regex.choices[0].text)
+
+
+def test_bad_schema_is_400_naming_the_field(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema") as e:
+        client.chat.completions.create(model=MODEL, messages=ASK_PERSON, max_tokens=4, response_format=fmt)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_tool_choice_required_and_named_return_tool_calls(client):
+    required = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                              tool_choice="required", max_tokens=40, temperature=0)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice=named,
+                                          max_tokens=30, temperature=0)
+    call = resp.choices[0].message.tool_calls[0]
+    assert resp.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                                 tool_choice=named, max_tokens=30, temperature=0, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    streamed = list(client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL],
+                                                   tool_choice="required", max_tokens=40, temperature=0, stream=True))
+    calls = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == \
+        [(tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls]
+    assert [c.choices[0].finish_reason for c in streamed if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_choice_auto_and_none_answer(client):
+    auto = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], max_tokens=12,
+                                          temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    none = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    assert none.choices[0].message.content and not none.choices[0].message.tool_calls

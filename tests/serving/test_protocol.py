@@ -11,7 +11,7 @@ from serving.app_config import AppConfig, parse_app_args
 from serving.engine_client import EngineError
 from serving.errors import OpenAIError, from_validation_error
 from serving.metrics import merge_expositions
-from serving.protocol import ChatCompletionRequest, CompletionRequest
+from serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
 def parse(model, body: dict):
@@ -36,13 +36,37 @@ def test_valid_requests_parse():
     assert c.max_tokens is None and c.top_logprobs == 3 and c.stream_options.include_usage
 
 
+def test_vllm_sampling_fields_parse():
+    r = parse(CompletionRequest, {"model": "m", "prompt": [[1, 2]], "echo": True, "max_tokens": 0, "logprobs": 20,
+                                  "presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 1.2,
+                                  "min_p": 0.1, "logit_bias": {"50256": -100, "7": 3}, "bad_words": ["x y"],
+                                  "include_stop_str_in_output": True, "skip_special_tokens": False,
+                                  "spaces_between_special_tokens": False, "prompt_logprobs": 0})
+    assert r.echo and r.max_tokens == 0 and r.logit_bias == {"50256": -100.0, "7": 3.0} and r.prompt_logprobs == 0
+    c = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "presence_penalty": 1.5, "bad_words": ["no"], "prompt_logprobs": 2})
+    assert c.presence_penalty == 1.5 and c.bad_words == ["no"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
     ({"model": "m", "prompt": "x", "n": True}, "n"),
     ({"model": "m", "prompt": "x", "temperature": 2.5}, "temperature"),
     ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
-    ({"model": "m", "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"12": 101}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"twelve": 1}}, "logit_bias"),
+    ({"model": "m", "prompt": "x", "bad_words": [""]}, "bad_words"),
+    ({"model": "m", "prompt": "x", "bad_words": "word"}, "bad_words"),
+    ({"model": "m", "prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"model": "m", "prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"model": "m", "prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "suffix": "!"}, "suffix"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 17}, "stop"),
 ])
 def test_bad_values_name_the_field(body, param):
@@ -87,9 +111,19 @@ def test_int64_edges_and_one_stop_string_parse():
     assert parse(CompletionRequest, {"model": "m", "prompt": "x", "seed": -2**63}).seed == -2**63
 
 
-def test_unknown_field_and_missing_field_and_bad_json():
-    err = error_for(CompletionRequest, {"model": "m", "prompt": "x", "best_of_three": 1})
-    assert err["code"] == "unknown_parameter" and "best_of_three" in err["message"]
+def test_unknown_fields_are_ignored_as_vllm_ignores_them_but_known_ones_stay_strict():
+    r = parse(CompletionRequest, {"model": "m", "prompt": "x", "best_of_three": 1, "repetition_penalty": 1.0})
+    assert "best_of_three" not in r.model_dump()
+    c = parse(ChatCompletionRequest, {"model": "m", "frobnicate": {"a": 1}, "stream": True,
+                                      "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                                      "messages": [{"role": "user", "content": "x", "annotations": []}]})
+    assert c.stream_options.include_usage and c.messages[0].content == "x"
+    err = error_for(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                            "frobnicate": 1, "add_generation_prompt": "yes"})
+    assert err["param"] == "add_generation_prompt" and err["code"] == "invalid_value"
+
+
+def test_missing_field_and_bad_json():
     err = error_for(CompletionRequest, {"model": "m"})
     assert err["code"] == "missing_required_parameter" and err["param"] == "prompt"
     err = error_for(CompletionRequest, '{"model": ')
@@ -103,6 +137,44 @@ def test_chat_rules():
     err = error_for(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                             "stream_options": {"include_usage": True}})
     assert "stream" in err["message"]
+
+
+def test_chat_template_options():
+    chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}
+    c = parse(ChatCompletionRequest, {**chat, "add_generation_prompt": False, "continue_final_message": True,
+                                      "chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "d"}],
+                                      "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert c.continue_final_message and c.chat_template_kwargs == {"enable_thinking": False}
+    err = error_for(ChatCompletionRequest, {**chat, "continue_final_message": True})
+    assert err["param"] == "continue_final_message" and "add_generation_prompt" in err["message"]
+    assert error_for(ChatCompletionRequest, {**chat, "chat_template_kwargs": "x"})["param"] == "chat_template_kwargs"
+    err = error_for(ChatCompletionRequest, {**chat, "messages": [{"role": "assistant", "tool_calls": {"id": 1}}]})
+    assert err["param"].startswith("messages.0.tool_calls")
+
+
+def test_tokenize_requests_take_a_prompt_or_messages():
+    t = parse(TokenizeRequest, {"model": "m", "prompt": "x", "add_special_tokens": False})
+    assert t.prompt == "x" and t.add_special_tokens is False and not t.return_token_strs
+    t = parse(TokenizeRequest, {"messages": [{"role": "user", "content": "x"}], "return_token_strs": True})
+    assert t.model is None and t.add_generation_prompt and t.add_special_tokens is None
+    for body in ({"model": "m"}, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}):
+        assert "prompt or messages" in error_for(TokenizeRequest, body)["message"]
+    assert error_for(DetokenizeRequest, {"tokens": [1, -2]})["param"] == "tokens.1"
+
+
+def test_serving_options_for_names_and_chat_templates(tmp_path):
+    assert parse_app_args({"served_model_name": "a"}).served_model_name == ["a"]
+    assert AppConfig(served_model_name=["a", "b"]).served_model_name == ["a", "b"]
+    with pytest.raises(ValueError, match="served_model_name"):
+        AppConfig(served_model_name=[])
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages | length }}")
+    cfg = parse_app_args({"chat_template": str(path), "default_chat_template_kwargs": '{"enable_thinking": false}'})
+    assert cfg.chat_template == "{{ messages | length }}"  # the text travels to the ingress, not the path
+    assert cfg.default_chat_template_kwargs == {"enable_thinking": False}
+    assert AppConfig(**cfg.model_dump()).chat_template == cfg.chat_template
+    with pytest.raises(ValueError, match="looks like a file path"):
+        parse_app_args({"chat_template": str(tmp_path / "missing.jinja")})
 
 
 def test_busy_engine_error_becomes_429_with_retry_after():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -78,3 +79,43 @@ def test_no_limit_admits_beyond_the_running_batch(make_worker):
         return firsts
 
     assert all(isinstance(m, Accepted) for m in asyncio.run(run()))
+
+
+def test_disconnected_and_finished_requests_leave_no_per_request_state(make_worker):
+    """Callers that go away mid-stream while the engine is stepping, beside requests that finish: once
+    the replica is idle, nothing of theirs stays behind (a soak would otherwise grow without bound)."""
+    worker = make_worker(None)
+    step = worker.engine.step
+
+    def slow_step():  # a step takes long enough that the callers always leave while one runs
+        outputs = step()
+        time.sleep(0.02)
+        return outputs
+
+    worker.engine.step = slow_step
+
+    async def run():
+        sub = worker.subscribe("sub")
+        await anext(sub)  # the replica id
+        cut = [worker.generate("sub", _request(f"cut-{i}", max_tokens=1000)) for i in range(6)]
+        done = [worker.generate("sub", _request(f"done-{i}", max_tokens=3)) for i in range(3)]
+        assert all(isinstance(m, Accepted) for m in [await anext(g) for g in cut + done])
+        seen: set[str] = set()
+        while not {f"cut-{i}" for i in range(6)} <= seen:
+            batch = await asyncio.wait_for(anext(sub), 60)
+            seen.update(o.request_id for o in batch.outputs if o.outputs[0].token_ids)
+        for g in cut:
+            await g.aclose()  # the caller went away while the engine keeps stepping
+        for g in done:
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(anext(g), 60)
+        for _ in range(100):
+            if worker.load().num_running == 0 and not worker.metrics._last_token_time:
+                break
+            await asyncio.sleep(0.1)
+        await sub.aclose()
+
+    asyncio.run(run())
+    assert worker.metrics._last_token_time == {}
+    assert worker._in_flight == {} and worker._subscribers == {}
+    assert not worker.engine.outputs.request_ids and not worker.engine.scheduler.requests

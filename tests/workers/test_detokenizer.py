@@ -28,3 +28,40 @@ def test_stop_string_cut_and_reported(tokenizer):
             break
     assert hit == "ñandú"
     assert detok.output_text == "Hello 🤗 wörld — "
+
+
+def _spacing_tokenizer():
+    """A real fast tokenizer whose decoder puts a space between tokens, special ones included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": ["<x>", "<y>"]})
+    return fast
+
+
+def test_spaces_between_special_tokens():
+    tok = _spacing_tokenizer()
+    ids = tok("a <x> <y> b <y>").input_ids
+
+    def text(**kw) -> str:
+        detok = IncrementalDetokenizer(tok, ids[:1], **kw)
+        for t in ids[1:]:
+            detok.update([t])
+        return detok.output_text
+
+    assert text(skip_special_tokens=False) == " <x> <y> b <y>"
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == " <x><y> b <y>"
+    assert text(spaces_between_special_tokens=False) == text() == " b"
+
+
+def test_stop_string_kept_when_asked(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, [1], stop=["ñandú"], include_stop_str_in_output=True)
+    for t in ids:
+        if detok.update([t]):
+            break
+    assert detok.output_text == "Hello 🤗 wörld — ñandú"

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from workers.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS,
-                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
+from workers.sampling_params import (INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
+                                     MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -44,6 +44,29 @@ from workers.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, 
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ({"presence_penalty": 2.01}, "presence_penalty"),
+    ({"presence_penalty": math.nan}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"logit_bias": [(1, 2.0)]}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {5: math.nan}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+    ({"bad_words": "word"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+    ({"bad_words": ["  "]}, "bad_words"),
+    ({"bad_words": [3]}, "bad_words"),
+    ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, "bad_words"),
+    ({"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
 ])
 def test_out_of_range_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -57,6 +80,10 @@ def test_edges_are_accepted():
     assert p.stop_token_ids == [0, INT64_MAX] and len(p.stop_strings) == MAX_STOP_STRINGS
     assert SamplingParams(seed=INT64_MIN).seed == INT64_MIN
     assert SamplingParams(top_k=0).top_k == -1
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01, min_p=1, prompt_logprobs=0,
+                       logit_bias={0: -100, 7: 100.0}, bad_words=("a b",))
+    assert p.bad_words == ["a b"] and p.adjusts_logits
+    assert not SamplingParams(min_p=0.5, bad_words=["x"]).adjusts_logits
 
 
 def test_validate_catches_changes_after_construction():

@@ -1,0 +1,49 @@
+"""An engine process's memory must not grow with every new step size: with the caches bounded, bf16
+linears over hundreds of distinct row counts stop adding memory once the caches are full."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = """
+import json, sys
+import torch
+if sys.argv[1] == "bounded":
+    from workers.onednn_caches import bound_onednn_caches
+    bound_onednn_caches()
+torch.set_num_threads(1)
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+
+w = torch.randn(3072, 576, dtype=torch.bfloat16)
+marks = {}
+for m in range(1, 401):
+    torch.nn.functional.linear(torch.randn(m, 576, dtype=torch.bfloat16), w)
+    if m in (100, 400):
+        marks[m] = rss()
+print(json.dumps(marks[400] - marks[100]))
+"""
+
+
+def _growth_mib(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_bounded_caches_stop_growing_with_new_shapes() -> None:
+    default = _growth_mib("default")
+    if default < 100:
+        pytest.skip(f"this torch build does not cache a primitive per bf16 shape (+{default:.0f} MiB)")
+    bounded = _growth_mib("bounded")
+    assert bounded < 50, f"300 new shapes grew RSS by {bounded:.0f} MiB with bounded caches ({default:.0f} unbounded)"

@@ -1,0 +1,140 @@
+"""Logit bias, penalties, min_p and bad words on small batched logits, each against a plain per-row
+reference; plus the prompt-logprobs packing that rides the sampler's one copy back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.penalties import adjust_logits, apply_min_p, bad_words_ban, bad_words_token_ids
+from workers.prompt_logprobs import PromptLogprobsPlan
+from workers.request import Request
+from workers.sampler import sample
+from workers.sampling_params import SamplingParams
+
+VOCAB = 40
+
+
+def _reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    x = row.clone().float()
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    for t in range(VOCAB):
+        if t in prompt or t in output:
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+        c = output.count(t)
+        x[t] -= p.frequency_penalty * c + (p.presence_penalty if c else 0.0)
+    return x
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, VOCAB, generator=g) * 3
+    histories = [([1, 2, 3, 4, 5], 3), ([7, 7, 7, 8], 1), ([9], 1), ([1, 1, 2, 30, 30, 30, 31], 2), ([], 0)]
+    params = [SamplingParams(repetition_penalty=1.7),
+              SamplingParams(frequency_penalty=0.6, presence_penalty=-0.4, temperature=0),
+              SamplingParams(),
+              SamplingParams(repetition_penalty=0.5, frequency_penalty=-1.5, presence_penalty=2, logit_bias={0: 5, 30: -100}),
+              SamplingParams(logit_bias={3: 2.5, 4: -1})]
+    return logits, params, histories
+
+
+def test_adjustments_match_per_row_reference(batch):
+    logits, params, histories = batch
+    out = adjust_logits(logits, params, histories)
+    for i, (p, (ids, n)) in enumerate(zip(params, histories)):
+        torch.testing.assert_close(out[i], _reference(logits[i], p, ids[:n], ids[n:]))
+    assert out.data_ptr() != logits.data_ptr()  # the raw logits stay as they were, for logprobs
+
+
+def test_rows_without_options_cost_nothing(batch):
+    logits, _, histories = batch
+    plain = [SamplingParams(temperature=0.5, top_k=3)] * 5
+    assert adjust_logits(logits, plain, histories) is logits
+    assert apply_min_p(logits, [0.0] * 5) is logits
+
+
+def test_bf16_logits_are_adjusted_in_float32(batch):
+    logits, params, histories = batch
+    out = adjust_logits(logits.bfloat16(), params, histories)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out[3], _reference(logits[3].bfloat16(), params[3], [1, 1], [2, 30, 30, 30, 31]))
+
+
+def test_greedy_rows_pick_after_penalties_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=1)
+    out = sample(logits, [p], [None], histories=[([0], 1)])
+    assert out.token_ids == [1]  # 5 / 2 < 4
+    raw = logits.log_softmax(-1)[0]
+    chosen_lp, rank, top_ids, top_lps = out.logprobs[0]
+    assert chosen_lp == pytest.approx(raw[1].item()) and rank == 2 and top_ids == [0]
+    assert sample(logits, [SamplingParams(temperature=0, logit_bias={3: 7.0})], [None]).token_ids == [3]
+
+
+def test_min_p_matches_reference_and_sampling_respects_it():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, VOCAB, generator=g) * 2
+    min_p = [0.0, 0.3, 0.9]
+    out = apply_min_p(x, min_p)
+    for i, m in enumerate(min_p):
+        probs = x[i].softmax(-1)
+        keep = probs >= m * probs.max()
+        assert torch.equal(torch.isfinite(out[i]), keep)
+        torch.testing.assert_close(out[i][keep], x[i][keep])
+    logits = torch.tensor([[3.0, 2.9, -4.0, -5.0]]).repeat(200, 1)
+    p = SamplingParams(temperature=1.0, min_p=0.5)
+    tokens = sample(logits, [p] * 200, [None] * 200).token_ids
+    assert set(tokens) == {0, 1}
+
+
+def test_bad_words_ban_last_token_after_its_prefix():
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert bad_words_ban([], words) == [5]
+    assert bad_words_ban([9, 7], words) == [5, 8]
+    assert bad_words_ban([1, 2], words) == [5, 3]
+    assert bad_words_ban([2, 1], words) == [5]
+
+
+def test_bad_words_tokenized_with_and_without_leading_space(tokenizer):
+    ids = bad_words_token_ids(tokenizer, ["hello", "  world peace"])
+    assert tokenizer.encode("hello", add_special_tokens=False) in ids
+    assert tokenizer.encode(" hello", add_special_tokens=False) in ids
+    assert tokenizer.encode("world peace", add_special_tokens=False) in ids
+    assert all(w for w in ids)
+
+
+def test_sample_brings_extra_back_in_the_same_copy():
+    logits = torch.randn(2, VOCAB)
+    extra = torch.tensor([1.5, 2.0, 3.0])
+    out = sample(logits, [SamplingParams(temperature=0)] * 2, [None] * 2, extra=extra)
+    assert out.extra == [1.5, 2.0, 3.0] and out.token_ids == logits.argmax(-1).tolist()
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=2)] * 2, [None] * 2, extra=extra)
+    assert out.extra == [1.5, 2.0, 3.0] and len(out.logprobs[1][2]) == 2
+
+
+def test_prompt_logprobs_pack_and_unpack_match_log_softmax():
+    from workers.prompt_logprobs import plan_prompt_logprobs
+
+    a = Request("a", [3, 1, 4, 1, 5], SamplingParams(prompt_logprobs=2), 4)
+    b = Request("b", [2, 7, 1], SamplingParams(), 4)
+    c = Request("c", [9, 2, 6, 5], SamplingParams(prompt_logprobs=0), 4)
+    # a computes positions 1..3 (of 0..4), b all, c positions 0..3 (its last scores no prompt token)
+    plan = plan_prompt_logprobs([a, b, c], [1, 0, 0], [3, 3, 4], [0, 3, 6])
+    assert plan.indices == [0, 1, 2, 6, 7, 8] and plan.targets == [4, 1, 5, 2, 6, 5]
+    logits = torch.randn(len(plan.indices), VOCAB)
+    host = plan.pack(logits, torch.tensor(plan.targets)).tolist()
+    chunks = plan.unpack(host)
+    assert set(chunks) == {"a", "c"} and chunks["a"].start == 1 and chunks["c"].start == 0
+    lp = logits.log_softmax(-1)
+    for row, (lp_row, target) in enumerate(zip(lp, plan.targets)):
+        chunk = chunks["a"] if row < 3 else chunks["c"]
+        value, rank, top_ids, top_lps = chunk.entries[row if row < 3 else row - 3]
+        assert value == pytest.approx(lp_row[target].item(), abs=1e-6)
+        assert rank == int((lp_row > lp_row[target]).sum()) + 1
+        k = 2 if row < 3 else 0
+        assert top_ids == lp_row.topk(k).indices.tolist()
+        assert top_lps == pytest.approx(lp_row.topk(k).values.tolist(), abs=1e-6)
+    assert plan_prompt_logprobs([b], [0], [3], [0]) is None
+    assert isinstance(plan, PromptLogprobsPlan)
