@@ -6,10 +6,11 @@ and the requests in flight, without a hang."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
-from serving import LLM, SamplingParams
+from serving import LLM, SamplingParams, StructuredOutputsParams
 from workers.engine import Engine, KVImport
 from workers.output_processor import OutputKind
 from workers.step_isolation import RunnerUnavailable
@@ -84,6 +85,27 @@ def test_tiny_model_tp2_matches_one_process(tiny_tp1, tiny_tp2, prompts):
     assert _greedy_tokens(tiny_tp2, batch, params) == expected
     stats = tiny_tp2.engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
+
+
+def test_tp2_sampling_inputs_reach_rank_0(tiny_tp1, tiny_tp2, prompts):
+    """What the sampler needs beyond the logits travels with the step: token histories (penalties), bans
+    (bad words, min_tokens), logit bias, a grammar's bitmask and the prompt-logprobs rows (over a chunked
+    prompt); two ranks pick the tokens one process does."""
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                       presence_penalty=0.3, logit_bias={8085: 6.0}),
+        SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8, bad_words=[" robot paints"], prompt_logprobs=2),
+        SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}")),
+    ]
+    one, two = tiny_tp1.generate(prompts, params), tiny_tp2.generate(prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in two] == [list(o.outputs[0].token_ids) for o in one]
+    assert re.fullmatch("[a-z ]{1,40}", two[2].outputs[0].text)
+    expected, got = one[1].prompt_logprobs, two[1].prompt_logprobs
+    assert len(got) == len(prompts[1]) and got[0] is None and all(e is not None for e in got[1:])
+    for e, g in zip(expected[1:], got[1:]):
+        assert g.keys() == e.keys()
+        assert [g[t].logprob for t in g] == pytest.approx([e[t].logprob for t in g], abs=1e-4)
+    assert not tiny_tp2.engine.structured.active and tiny_tp2.engine.kv_cache.usage == 0.0
 
 
 def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
