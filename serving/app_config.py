@@ -40,9 +40,9 @@ class AppConfig(BaseModel):
     downscale_delay_s: float = Field(300.0, ge=0, description="Autoscaling: how long load must stay low before removing one.")
     look_back_period_s: float = Field(10.0, gt=0, description="Autoscaling: window over which load is averaged.")
     metrics_interval_s: float = Field(1.0, gt=0, description="Autoscaling: how often replicas report their load.")
-    num_gpus: float | None = Field(None, ge=0, description="GPUs each engine replica asks Ray for (fractions let a "
-                                   "prefill and a decode replica share one GPU); default: 1 when the engine's device "
-                                   "is cuda, else 0.")
+    num_gpus: float | None = Field(None, ge=0, description="GPUs each engine replica (each rank, with tensor "
+                                   "parallelism) asks Ray for (fractions let a prefill and a decode replica share one "
+                                   "GPU); default: 1 when the engine's device is cuda, else 0.")
     max_waiting_requests: int | None = Field(1024, ge=0, description="Per replica: most sequences that may wait beyond "
                                              "those that can start now (free slots with KV room); a request that would "
                                              "exceed it gets HTTP 429 with Retry-After. 0 admits only what can start "
@@ -157,10 +157,11 @@ class AppConfig(BaseModel):
         engine = engine or self.engine
         threads = str(engine.num_threads)
         gpus = self.num_gpus if self.num_gpus is not None else (1 if engine.device.startswith("cuda") else 0)
+        tp = engine.tensor_parallel_size
         opts: dict[str, Any] = {
             # Ray sets OMP_NUM_THREADS=1 in actors (from num_cpus=0); the engine's OpenMP code (our compiled
             # kernel, oneDNN) reads it once at start, so give it the engine's thread count instead.
-            "ray_actor_options": {"num_cpus": 0, "num_gpus": gpus,
+            "ray_actor_options": {"num_cpus": 0, "num_gpus": 0 if tp > 1 else gpus,
                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
             "max_ongoing_requests": self.replica_max_ongoing_requests(engine),
             "request_router_config": RequestRouterConfig(
@@ -168,6 +169,10 @@ class AppConfig(BaseModel):
                 request_routing_stats_period_s=self.routing_stats_period_s,
                 request_routing_stats_timeout_s=max(5.0, 5 * self.routing_stats_period_s)),
         }
+        if tp > 1:  # the replica (scheduler only) shares bundle 0 with rank 0; rank i takes bundle i
+            bundle = {"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}
+            opts["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+            opts["placement_group_strategy"] = "PACK"
         opts.update(self._lifecycle_options())
         if self.autoscaling:
             opts["autoscaling_config"] = {

@@ -51,11 +51,17 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(
         0.9, "CUDA only: the fraction of the GPU's memory the engine may use (weights, activations, KV cache).")
     enforce_eager: bool = _opt(False, "CUDA only: never capture CUDA graphs (decode steps run eagerly).")
-    num_threads: int | None = _opt(None, "torch threads for the engine; default: all cores.")
+    tensor_parallel_size: int = _opt(1, "Split every layer over this many ranks (Ray actors joined by gloo on the "
+                                        "CPU, NCCL on CUDA), one bundle each in the replica's placement group.")
+    distributed_timeout_s: float = _opt(300.0, "Tensor parallelism: a step that a rank has not finished within this "
+                                               "long fails, and the ranks are taken as lost (the replica turns "
+                                               "unhealthy).")
+    num_threads: int | None = _opt(None, "torch threads for the engine (split among tensor-parallel ranks); "
+                                         "default: all cores.")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -73,7 +79,12 @@ class EngineConfig:
                              f"not {self.scheduling_policy!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} names one GPU, but with tensor_parallel_size "
+                             f"{self.tensor_parallel_size} Ray gives each rank its own; use device cuda")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1

@@ -106,6 +106,11 @@ class EngineWorker:
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
                                 "holds KV for a hand-off (hold_kv)")
             return
+        lost = self.engine.runner.unavailable
+        if lost is not None:
+            yield Rejected(503, f"replica {self.replica_id} cannot run its model ({lost}); it is being replaced, "
+                                "retry", "service_unavailable", RETRY_AFTER_S)
+            return
         shed = self._admit(request)
         if shed is not None:
             yield shed
@@ -229,6 +234,7 @@ class EngineWorker:
             message = f"the engine loop of replica {self.replica_id} has stopped"
             self._fail_in_flight(message)
             raise EngineLoopStopped(message)
+        await self.engine.runner.check_alive()  # tensor-parallel ranks: a lost one fails the replica
         failed = self.loop.consecutive_failed_steps
         if failed >= self.max_failed_steps:
             raise RuntimeError(f"the last {failed} engine steps of replica {self.replica_id} failed "
@@ -248,11 +254,15 @@ class EngineWorker:
                 "engine_ready": self._startup.engine_ready}
 
     def shutdown(self) -> None:
-        """Stop the engine loop, then close the KV sender or receiver (their threads, stores and groups).
+        """Stop the engine loop and its tensor-parallel ranks, then close the KV sender or receiver (their
+        threads, stores and groups).
         Serve calls `__del__` when it shuts the replica down; attributes may be missing if `__init__` failed."""
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
         for end in (getattr(self, "_sender", None), getattr(self, "_receiver", None)):
             if end is not None:
                 end.close()

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import get_attention_backend
-from kernels.layer_ops import get_layer_ops
 from workers.config import EngineConfig
 from workers.kv_cache_manager import KVCacheManager
-from workers.model_loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
-from workers.model_runner import ModelRunner
+from workers.model_loader import load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
+from workers.model_setup import build_model, kv_blocks, make_runner, profile_kv_budget
+from workers.models.llama import LlamaForCausalLM
 from workers.onednn_caches import bound_onednn_caches
 from workers.output_processor import OutputKind, OutputProcessor
 from workers.penalties import bad_words_token_ids
@@ -26,7 +25,7 @@ from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
 from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sizing import gpu_kv_budget, num_kv_blocks, resolve_device, resolve_max_model_len
+from workers.sizing import resolve_device, resolve_max_model_len
 from workers.step_isolation import execute_isolating
 from workers.structured_output import StructuredOutputManager
 
@@ -78,46 +77,41 @@ class Engine:
         self.model_path = path
         self.tokenizer = load_tokenizer(path)
         self.dtype = resolve_dtype(config.dtype)
-        self.device = resolve_device(config.device)
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        self.model = load_model(files, hf_config, self.dtype, self.max_model_len, self.device)
-        attn = get_attention_backend(config.attention_backend, self.device)
-        # The compiled layer ops come from the same build as the compiled attention: both or neither.
-        self.model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
-        budget = self._gpu_kv_budget(attn) if self.device.type == "cuda" else None
-        self.num_kv_blocks = num_kv_blocks(config, self.model.args, self.dtype, self.max_model_len, budget)
+        self.model: LlamaForCausalLM | None = None  # in this process only without tensor parallelism
+        if config.tensor_parallel_size > 1:
+            from workers.tp_runner import TPModelRunner
+
+            # the grammar bitmask is filled here on the host and goes to rank 0 with the step
+            self.structured = StructuredOutputManager(self.tokenizer, hf_config.vocab_size, config.max_num_seqs)
+            self.runner = TPModelRunner(config, path, hf_config, self.dtype, self.max_model_len, self.structured)
+            self.device, self.num_kv_blocks = self.runner.device, self.runner.num_kv_blocks
+        else:
+            self.device = resolve_device(config.device)
+            self.structured = StructuredOutputManager(self.tokenizer, hf_config.vocab_size, config.max_num_seqs,
+                                                      self.device)
+            self.model, attn = build_model(config, files, hf_config, self.dtype, self.device, self.max_model_len)
+            budget = (profile_kv_budget(self.model, attn, config, self.dtype, self.device, self.max_model_len)
+                      if self.device.type == "cuda" else None)
+            self.num_kv_blocks = kv_blocks(config, self.model.args, self.model.part, self.dtype, self.max_model_len,
+                                           budget)
+            self.runner = make_runner(self.model, attn, config, self.num_kv_blocks, self.dtype, self.device,
+                                      self.max_model_len, self.structured)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             self.max_model_len),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
-        self.structured = StructuredOutputManager(self.tokenizer, self.model.args.vocab_size, config.max_num_seqs,
-                                                  self.device)
-        self.runner = ModelRunner(self.model, attn, self.num_kv_blocks, config.block_size, self.dtype, config.seed,
-                                  self.device, self.structured)
-        if self.device.type == "cuda" and not config.enforce_eager and attn.name == "triton":
-            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
-        self.vocab_size = self.model.args.vocab_size
+        self.vocab_size = hf_config.vocab_size
         self._computed_tokens = 0
         self.failed: dict[str, str] = {}  # requests the latest step failed and aborted: id -> error message
 
-    def _gpu_kv_budget(self, attn) -> int:
-        """Profile the largest step on a scratch cache and return the bytes left for the KV cache."""
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        bs = self.config.block_size
-        probe = ModelRunner(self.model, attn, -(-n // bs), bs, self.dtype, self.config.seed, self.device)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe.profile(n, min(n, self.config.max_num_seqs))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - probe.kv_cache.nbytes
-        del probe
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        return gpu_kv_budget(total, free, peak, self.config.gpu_memory_utilization)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""
+        self.runner.close()
 
     # ---- requests in and out -------------------------------------------------------------------
 

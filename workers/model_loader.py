@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from workers.models.llama import LlamaForCausalLM, ModelArgs
+from workers.models.llama import LlamaForCausalLM, ModelArgs, ShardSpec
+from workers.tensor_parallel import TPShard
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -100,21 +101,35 @@ def weight_files(path: str) -> list[str]:
     return files
 
 
+def _read_slice(st, name: str, spec: ShardSpec | None) -> torch.Tensor:
+    """The tensor `name`, or only its `spec` slice (read from the file without the rest), zero-padded."""
+    if spec is None:
+        return st.get_tensor(name)
+    sl = st.get_slice(name)
+    part = sl[spec.start:spec.stop] if spec.dim == 0 else sl[:, spec.start:spec.stop]
+    missing = spec.length - part.shape[spec.dim]
+    if missing:
+        pad = [0, 0] * (part.dim() - 1 - spec.dim) + [0, missing]
+        part = torch.nn.functional.pad(part, pad)
+    return part
+
+
 def load_model(files: list[str], config, dtype: torch.dtype, max_positions: int,
-               device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """Build the model on `device` from `weight_files(path)` (validated by the caller before slower set-up)."""
+               device: torch.device | str = "cpu", tp: TPShard = TPShard()) -> LlamaForCausalLM:
+    """Build the model on `device` from `weight_files(path)` (validated by the caller before slower set-up);
+    under tensor parallelism, only this rank's slices are read."""
     from safetensors import safe_open
 
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(args)
+        model = LlamaForCausalLM(args, tp)
     model = model.to_empty(device="cpu")
 
     def tensors():
         for f in files:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, _read_slice(st, name, model.shard_spec(name))
 
     model.load_hf_weights(tensors())
     model = model.to(device=device, dtype=dtype)

@@ -1,6 +1,7 @@
-"""Runs one scheduled step: flattens every request's new tokens into one unpadded batch, builds
-positions, slot mapping and block tables (the step's `CommonAttentionMetadata`, from which the attention
-backend builds its own metadata), runs the model, and samples for the requests that finished their chunk.
+"""Runs one scheduled step: its `StepInputs` (`workers/step_inputs.py`: one unpadded batch with positions,
+slot mapping and block tables, the `CommonAttentionMetadata` from which the attention backend builds its
+own metadata) go through the model, and the requests that finished their chunk sample. Under tensor
+parallelism every rank runs one of these over its shard of the model and of the KV cache.
 
 Device-agnostic: inputs are built on the host and reach the device in one copy (from a pinned buffer on
 CUDA), and the sampled ids and logprobs come back in one copy. Decode-only steps replay CUDA graphs when
@@ -13,11 +14,9 @@ import torch
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.models.llama import LlamaForCausalLM
-from workers.penalties import bad_words_ban
-from workers.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs
-from workers.request import Request
-from workers.sampler import SampleOutput, sample
+from workers.sampler import RowBitmask, SampleOutput, sample
 from workers.scheduler import SchedulerOutput
+from workers.step_inputs import StepInputs, build_step_inputs, sampled_requests
 from workers.step_isolation import RequestsFailed
 from workers.structured_output import StructuredOutputManager
 
@@ -32,10 +31,10 @@ class ModelRunner:
         self.attn = attn
         self.block_size = block_size
         self.device = torch.device(device)
-        self.num_heads, self.num_kv_heads = a.num_heads, a.num_kv_heads
+        self.num_heads, self.num_kv_heads = model.part.num_heads, model.part.num_kv_heads  # this rank's heads
         # One allocation for the whole cache; zeroed so that masked-out slots never hold NaN.
-        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim, dtype=dtype,
-                                    device=self.device)
+        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim,
+                                    dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -67,6 +66,17 @@ class ModelRunner:
         torch.cat(parts, out=flat)
         dev = flat.to(self.device, non_blocking=True)
         return list(dev.split([p.numel() for p in parts]))
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no step can run any more (see `TPModelRunner`); a model in this process always can."""
+        return None
+
+    async def check_alive(self, timeout_s: float = 10.0) -> None:
+        """A model in this process is alive while the process is (see `TPModelRunner.check_alive`)."""
+
+    def close(self) -> None:
+        """Nothing to stop (see `TPModelRunner.close`)."""
 
     def release(self, request_ids: list[str]) -> None:
         """Forget finished requests' seeded generators and grammar matchers."""
@@ -116,66 +126,64 @@ class ModelRunner:
         self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
 
     def execute(self, out: SchedulerOutput) -> SampleOutput:
-        bs = self.block_size
-        reqs = out.requests
-        starts = [r.num_computed_tokens for r in reqs]
-        input_ids: list[int] = []
-        for r, s, n in zip(reqs, starts, out.num_new_tokens):
-            input_ids.extend(r.all_token_ids[s:s + n])
-        query_lens = torch.tensor(out.num_new_tokens)
-        start_t = torch.tensor(starts)
-        context_lens = start_t + query_lens
-        query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.long)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - query_start_loc[:-1], query_lens)
+        step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
+        logits, targets = self._forward_step(step)
+        if self.structured is not None:  # filled on the host while the device runs the forward pass
+            step.allowed = self.structured.bitmask(sampled_requests(out))
+        return self._sample(logits, step, targets)
 
-        width = max(len(r.block_ids) for r in reqs)
-        block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
-        req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+    def run(self, step: StepInputs) -> SampleOutput:
+        """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`); a
+        grammar bitmask that came with the step (on the host) moves to this runner's device."""
+        self.release(step.released)
+        logits, targets = self._forward_step(step)
+        if step.allowed is not None and step.allowed.rows.device != self.device:
+            step.allowed = RowBitmask(step.allowed.rows.to(self.device), step.allowed.bits.to(self.device))
+        return self._sample(logits, step, targets)
 
-        samples = [i for i, (r, s, n) in enumerate(zip(reqs, starts, out.num_new_tokens)) if s + n == r.num_tokens]
-        logits_indices = query_start_loc[1:][samples] - 1
-        plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, query_start_loc[:-1].tolist())
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The logits of the step's `logits_indices` rows, then of its prompt-logprobs rows if any (a
+        decode-only step replays a CUDA graph when one is captured for its size)."""
+        return self._forward_step(step)[0]
 
-        common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
-                                         self.num_heads, self.num_kv_heads)
-        ids = torch.tensor(input_ids)
-        targets = None
-        if plan is None and self.graphs is not None and len(samples) == len(reqs) and self.graphs.supports(common):
-            logits = self.graphs.run(ids, positions, common)
-        else:
-            parts = [ids, positions, logits_indices]
-            if plan is not None:
-                parts = [ids, positions, torch.cat([logits_indices, torch.tensor(plan.indices)]), torch.tensor(plan.targets)]
-            ids, positions, logits_indices, *targets = self._to_device(parts)
-            logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
-        if plan is None:
-            return self._sample(logits, [reqs[i] for i in samples])
-        return self._sample(logits[:len(samples)], [reqs[i] for i in samples], plan,
-                            plan.pack(logits[len(samples):], targets[0]))
+    def _forward_step(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits and, with a prompt-logprobs plan, the prompt tokens its extra rows score (on
+        the device, in the same copy as the inputs)."""
+        common, plan = step.common, step.prompt_logprobs
+        if (plan is None and self.graphs is not None and len(step.samples) == common.query_lens.shape[0]
+                and self.graphs.supports(common)):
+            return self.graphs.run(step.input_ids, step.positions, common), None
+        parts = [step.input_ids, step.positions, step.logits_indices]
+        if plan is not None:
+            parts = [step.input_ids, step.positions, torch.cat([step.logits_indices, torch.tensor(plan.indices)]),
+                     torch.tensor(plan.targets)]
+        ids, positions, logits_indices, *targets = self._to_device(parts)
+        logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
+        return logits, targets[0] if targets else None
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Request], plan: PromptLogprobsPlan | None = None,
-                extra: torch.Tensor | None = None) -> SampleOutput:
-        """Sample one row per request. Raises `RequestsFailed` naming the requests whose own inputs (seeded
-        generator, ban list) could not be built; if sampling fails, seeded generators are put back as they
-        were, so a retry draws the same noise. Grammar-constrained rows sample from their allowed tokens."""
-        allowed = self.structured.bitmask(sampled) if self.structured is not None else None
+    def _sample(self, logits: torch.Tensor, step: StepInputs, targets: torch.Tensor | None = None) -> SampleOutput:
+        """Sample one row per `step.samples` (the first rows of `logits`; the rest, with `targets`, are the
+        prompt-logprobs plan's). Raises `RequestsFailed` naming the requests whose seeded generator could
+        not be built; if sampling fails, seeded generators are put back as they were, so a retry draws the
+        same noise. Grammar-constrained rows sample from their allowed tokens."""
+        specs, plan = step.samples, step.prompt_logprobs
+        extra = None
+        if plan is not None:
+            extra = plan.pack(logits[len(specs):], targets)
+            logits = logits[:len(specs)]
         gens: list[torch.Generator | None] = []
-        bans: list[list[int] | None] = []
         failures: dict[str, str] = {}
-        for r in sampled:
+        for spec in specs:
             try:
-                gens.append(self._generator(r.request_id, r.seed))
-                bans.append(_ban(r))
+                gens.append(self._generator(spec.request_id, spec.seed))
             except Exception as e:
-                failures[r.request_id] = f"{type(e).__name__}: {e}"
+                failures[spec.request_id] = f"{type(e).__name__}: {e}"
         if failures:
             raise RequestsFailed(failures)
         states = [(g, g.get_state()) for g in gens if g is not None]
-        histories = [(r.all_token_ids, r.num_prompt_tokens) for r in sampled]
         try:
-            result = sample(logits, [r.sampling_params for r in sampled], gens, bans, histories, extra, allowed)
+            result = sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
+                            [s.history for s in specs], extra, step.allowed)
         except BaseException:
             for g, state in states:
                 g.set_state(state)
@@ -183,15 +191,3 @@ class ModelRunner:
         if plan is not None:
             result.prompt_logprobs = plan.unpack(result.extra)
         return result
-
-
-def _ban(req: Request) -> list[int] | None:
-    """Tokens the request may not pick now: those that would stop it before its `min_tokens` are out (EOS
-    and the stop token ids), and the last tokens of bad words the output would complete."""
-    p = req.sampling_params
-    banned = []
-    if req.num_output_tokens < p.min_tokens:
-        banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
-    if req.bad_words_token_ids:
-        banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)
-    return banned or None

@@ -28,6 +28,14 @@ class RequestsFailed(Exception):
         super().__init__("; ".join(f"{rid}: {msg}" for rid, msg in failures.items()))
         self.failures = failures
 
+    def __reduce__(self):  # crosses process boundaries from tensor-parallel ranks
+        return RequestsFailed, (self.failures,)
+
+
+class RunnerUnavailable(RuntimeError):
+    """Raised by a model runner that can run no step any more (a tensor-parallel rank died or hung): the
+    step is not retried request by request, it fails whole."""
+
 
 @dataclass(slots=True)
 class IsolatedStep:
@@ -69,9 +77,11 @@ def _describe(e: BaseException) -> str:
 
 def execute_isolating(execute: Callable[[SchedulerOutput], SampleOutput], sched: SchedulerOutput) -> IsolatedStep:
     """`execute(sched)`; if it raises, the step without the requests that made it fail (see the module
-    docstring). Never raises an `Exception` from `execute`: when every request fails, all are in `failed`."""
+    docstring). Raises only `RunnerUnavailable` from `execute`: when every request fails, all are in `failed`."""
     try:
         return IsolatedStep(sched, execute(sched))
+    except RunnerUnavailable:
+        raise
     except RequestsFailed as e:
         named = {r: e.failures[r.request_id] for r in sched.requests if r.request_id in e.failures}
         if not named:

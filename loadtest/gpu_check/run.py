@@ -93,15 +93,6 @@ def throughput(plan, model: str, vocab: int) -> dict:
             "batch1_graphs_over_eager": speedup}
 
 
-def tensor_parallel() -> dict:
-    import torch
-
-    reason = "not implemented"
-    if torch.cuda.device_count() < 2:
-        reason += "; needs >= 2 GPUs"
-    return {"status": "skipped", "reason": reason}
-
-
 def run_checks(plan, model_dir: Path) -> dict:
     from loadtest.gpu_check.model_files import write_weights
 
@@ -110,7 +101,7 @@ def run_checks(plan, model_dir: Path) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import greedy_parity, pd_handoff
+    from loadtest.gpu_check import greedy_parity, pd_handoff, tensor_parallel
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -126,7 +117,11 @@ def run_checks(plan, model_dir: Path) -> dict:
         results["pd_handoff"] = {"status": "skipped", "reason": why_not}
     else:
         _section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), results)
-    _section("tensor_parallel", tensor_parallel, results)
+    why_not = tensor_parallel.why_skipped(plan)
+    if why_not:
+        results["tensor_parallel"] = {"status": "skipped", "reason": why_not}
+    else:
+        _section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab), results)
     return results
 
 

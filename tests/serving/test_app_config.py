@@ -1,9 +1,13 @@
-"""The health-check and drain options reach the deployments that `build_app` binds."""
+"""The health-check and drain options reach the deployments that `build_app` binds; tensor parallelism
+gives the engine replica a placement group."""
 
 from __future__ import annotations
 
+import argparse
+
 from serving.app import build_app
-from serving.app_config import parse_app_args
+from serving.app_config import AppConfig, parse_app_args
+from workers.config import EngineConfig
 
 
 def _deployments(app) -> tuple:
@@ -21,3 +25,23 @@ def test_lifecycle_options_reach_the_engine_and_ingress_deployments():
         assert 12 < engine_config.graceful_shutdown_timeout_s < ingress._deployment_config.graceful_shutdown_timeout_s
         assert engine.init_kwargs["max_failed_steps"] == 3
         assert ingress.init_args[1]["replica_wait_timeout_s"] == 10  # the default, read by the ingress
+
+
+def test_tensor_parallel_size_gives_the_engine_replica_one_bundle_per_rank():
+    from serving.cli import add_app_options, add_engine_options, app_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    add_app_options(parser)
+    config = app_config_from_args(parser.parse_args(["--tensor-parallel-size", "3"]))
+    opts = config.worker_deployment_options()
+    assert config.engine.tensor_parallel_size == 3
+    assert opts["placement_group_bundles"] == [{"CPU": 1}] * 3 and opts["placement_group_strategy"] == "PACK"
+    assert opts["ray_actor_options"]["num_gpus"] == 0  # the replica only schedules; ranks hold the model
+    gpu = AppConfig(engine=EngineConfig(tensor_parallel_size=2, device="cuda")).worker_deployment_options()
+    assert gpu["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}] * 2
+    assert "placement_group_bundles" not in AppConfig().worker_deployment_options()
+    pd = AppConfig(engine=EngineConfig(tensor_parallel_size=2), disaggregate=True,
+                   decode_engine={"tensor_parallel_size": 1})  # the KV payload holds all heads: sizes may differ
+    assert len(pd.pool_deployment_options("prefill")["placement_group_bundles"]) == 2
+    assert "placement_group_bundles" not in pd.pool_deployment_options("decode")

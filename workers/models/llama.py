@@ -2,7 +2,11 @@
 
 Plain modules in the gpt-fast manner: the batch is one flat run of tokens (no padding), q/k/v and
 gate/up projections are fused into one matmul each, each residual add is fused with the norm after it
-(`kernels/layer_ops.py`), and only the rows that sample go past the last layer's attention."""
+(`kernels/layer_ops.py`), and only the rows that sample go past the last layer's attention.
+
+Under tensor parallelism (`workers/tensor_parallel.py`) each rank builds the same modules over its slices:
+q/k/v and gate/up are split by output rows (column-parallel), o_proj and down by input columns
+(row-parallel, one all-reduce each), and the embedding and LM head by vocabulary rows."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.layer_ops import TorchLayerOps
+from workers.tensor_parallel import Partition, TPShard, partition
 
 
 @dataclass(slots=True)
@@ -65,19 +70,34 @@ class ModelArgs:
             rope_scaling=float(scaling),
         )
 
+    def partition(self, tp: TPShard) -> Partition:
+        """This rank's slice of the model (the whole model when `tp.size` is 1)."""
+        return partition(tp.rank, tp.size, self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """Rows (dim 0) or columns (dim 1) `start:stop` of a checkpoint tensor, zero-padded to `length`."""
+
+    dim: int
+    start: int
+    stop: int
+    length: int
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs) -> None:
+    def __init__(self, a: ModelArgs, part: Partition, tp: TPShard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
-        qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = part.num_heads, part.num_kv_heads, a.head_dim, a.rms_norm_eps
+        self.tp = tp
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * a.head_dim
         self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
         self.qkv = nn.Parameter(torch.empty(qkv_out, a.hidden_size))
         self.qkv_bias = nn.Parameter(torch.zeros(qkv_out)) if a.qkv_bias else None
-        self.o_proj = nn.Parameter(torch.empty(a.hidden_size, a.num_heads * a.head_dim))
+        self.o_proj = nn.Parameter(torch.empty(a.hidden_size, self.num_heads * a.head_dim))
         self.post_norm = nn.Parameter(torch.ones(a.hidden_size))
-        self.gate_up = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
-        self.down = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
+        self.gate_up = nn.Parameter(torch.empty(2 * part.intermediate_size, a.hidden_size))
+        self.down = nn.Parameter(torch.empty(a.hidden_size, part.intermediate_size))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata,
@@ -96,18 +116,22 @@ class DecoderLayer(nn.Module):
         o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
         if rows is not None:
             x, o = x[rows], o[rows]
-        x, h = ops.add_rms_norm(x, F.linear(o, self.o_proj), self.post_norm, self.eps)
-        return x, F.linear(ops.silu_and_mul(F.linear(h, self.gate_up)), self.down)
+        x, h = ops.add_rms_norm(x, self.tp.all_reduce(F.linear(o, self.o_proj)), self.post_norm, self.eps)
+        return x, self.tp.all_reduce(F.linear(ops.silu_and_mul(F.linear(h, self.gate_up)), self.down))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """`args` describe the whole model; `part` (from `tp`) the slice this rank holds."""
+
+    def __init__(self, args: ModelArgs, tp: TPShard = TPShard()) -> None:
         super().__init__()
-        self.args = args
-        self.embed_tokens = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.args, self.tp = args, tp
+        self.part = part = args.partition(tp)
+        rows = part.vocab_rows
+        self.embed_tokens = nn.Parameter(torch.empty(rows, args.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(args, part, tp) for _ in range(args.num_layers))
         self.norm = nn.Parameter(torch.ones(args.hidden_size))
-        self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
+        self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.empty(rows, args.hidden_size))
         self.cos_table = self.sin_table = torch.empty(0)
         self.ops: TorchLayerOps = TorchLayerOps()  # the engine installs the compiled ops when they build
 
@@ -127,16 +151,46 @@ class LlamaForCausalLM(nn.Module):
         is fused with the norm after it; the last layer carries only those rows past its attention."""
         ops, eps, last = self.ops, self.args.rms_norm_eps, len(self.layers) - 1
         rope = (self.cos_table, self.sin_table, positions)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self._embed(input_ids)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
             x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(h, head)
+        return self.tp.gather_last_dim(F.linear(h, head), self.args.vocab_size)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings; a rank looks up the ids in its vocabulary range, zeros elsewhere, then all ranks sum."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        start, stop = self.part.vocab
+        local = input_ids - start
+        inside = (input_ids >= start) & (input_ids < stop)
+        x = F.embedding(local.clamp(0, self.part.vocab_rows - 1), self.embed_tokens) * inside[:, None].to(self.embed_tokens.dtype)
+        return self.tp.all_reduce(x)
+
+    def shard_spec(self, name: str) -> ShardSpec | None:
+        """The slice of the Hugging Face tensor `name` this rank loads; None for the whole tensor."""
+        if self.tp.size == 1:
+            return None
+        p, d = self.part, self.args.head_dim
+        name = name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return ShardSpec(0, *p.vocab, p.vocab_rows)
+        kind = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
+        ranges = {"q_proj": (0, p.heads, d), "k_proj": (0, p.kv_heads, d), "v_proj": (0, p.kv_heads, d),
+                  "o_proj": (1, p.heads, d), "gate_proj": (0, p.intermediate, 1), "up_proj": (0, p.intermediate, 1),
+                  "down_proj": (1, p.intermediate, 1)}
+        if kind not in ranges:
+            return None
+        dim, (start, stop), unit = ranges[kind]
+        if name.endswith(".bias") and dim == 1:
+            return None
+        return ShardSpec(dim, start * unit, stop * unit, (stop - start) * unit)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises if any are missing."""
+        """Copy Hugging Face-named tensors in (already cut to `shard_spec` under tensor parallelism), fusing
+        q/k/v and gate/up. Raises if any are missing."""
         w = {k.removeprefix("model."): v for k, v in weights}
         missing: list[str] = []
 

@@ -1,0 +1,62 @@
+"""Building a model runner from engine options: load the model (or this rank's shard of it), pick the
+attention backend and layer ops, size the KV cache (profiling a step on a GPU) and allocate it.
+The engine does this in its own process; under tensor parallelism each rank does it in its actor."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels.attention import AttentionBackend, get_attention_backend
+from kernels.layer_ops import get_layer_ops
+from workers.config import EngineConfig
+from workers.model_loader import load_model
+from workers.model_runner import ModelRunner
+from workers.models.llama import LlamaForCausalLM, ModelArgs
+from workers.sizing import gpu_kv_budget, num_kv_blocks
+from workers.structured_output import StructuredOutputManager
+from workers.tensor_parallel import Partition, TPShard
+
+
+def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.dtype, device: torch.device,
+                max_model_len: int, tp: TPShard = TPShard()) -> tuple[LlamaForCausalLM, AttentionBackend]:
+    model = load_model(files, hf_config, dtype, max_model_len, device, tp)
+    attn = get_attention_backend(config.attention_backend, device)
+    # The compiled layer ops come from the same build as the compiled attention: both or neither.
+    model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
+    return model, attn
+
+
+def profile_kv_budget(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, dtype: torch.dtype,
+                      device: torch.device, max_model_len: int) -> int:
+    """Profile the largest step on a scratch cache and return the GPU bytes left for the KV cache."""
+    n = min(config.max_num_batched_tokens, max_model_len)
+    bs = config.block_size
+    probe = ModelRunner(model, attn, -(-n // bs), bs, dtype, config.seed, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe.profile(n, min(n, config.max_num_seqs))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - probe.kv_cache.nbytes
+    del probe
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_kv_budget(total, free, peak, config.gpu_memory_utilization)
+
+
+def kv_blocks(config: EngineConfig, args: ModelArgs, part: Partition, dtype: torch.dtype, max_model_len: int,
+              gpu_budget_bytes: int | None) -> int:
+    """KV blocks of one cache holding `part`'s KV heads (every rank's cache has as many blocks)."""
+    local = dataclasses.replace(args, num_kv_heads=part.num_kv_heads)
+    return num_kv_blocks(config, local, dtype, max_model_len, gpu_budget_bytes)
+
+
+def make_runner(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, num_blocks: int,
+                dtype: torch.dtype, device: torch.device, max_model_len: int,
+                structured: StructuredOutputManager | None = None) -> ModelRunner:
+    runner = ModelRunner(model, attn, num_blocks, config.block_size, dtype, config.seed, device, structured)
+    # CUDA graphs capture one process's kernels; a tensor-parallel step's collectives run eagerly
+    if device.type == "cuda" and not config.enforce_eager and attn.name == "triton" and model.tp.size == 1:
+        runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
+    return runner

@@ -1,0 +1,111 @@
+"""One scheduled step as plain host tensors and sampling specs: what the model runner needs, with no
+`Request` objects, so that the same message runs a local model or goes to every tensor-parallel rank.
+Everything the sampler needs travels with it: params, bans (min_tokens, bad words), token histories for
+penalties, the grammar bitmask of constrained rows and the prompt-logprobs plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention import CommonAttentionMetadata
+from workers.penalties import History, bad_words_ban
+from workers.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs
+from workers.request import Request
+from workers.sampler import RowBitmask
+from workers.sampling_params import SamplingParams
+from workers.scheduler import SchedulerOutput
+from workers.step_isolation import RequestsFailed
+
+
+@dataclass(slots=True)
+class SampleSpec:
+    """How one request samples this step: its own seed (if any), its params, the tokens it may not pick
+    now (`min_tokens`, bad words) and its token history (only when its params adjust logits)."""
+
+    request_id: str
+    seed: int | None
+    params: SamplingParams
+    ban: list[int] | None
+    history: History | None = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    logits_indices: torch.Tensor  # [num_samples] rows of the flat batch that sample
+    common: CommonAttentionMetadata
+    samples: list[SampleSpec]
+    released: list[str] = field(default_factory=list)  # finished requests whose generators can go
+    prompt_logprobs: PromptLogprobsPlan | None = None  # extra logits rows that score prompt tokens
+    allowed: RowBitmask | None = None  # grammar-constrained rows' allowed tokens (host tensors when sent)
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num_kv_heads: int) -> StepInputs:
+    """Flatten every request's new tokens into one unpadded batch with its positions, slot mapping and
+    block tables. Raises `RequestsFailed` naming requests whose sampling inputs could not be built."""
+    bs = block_size
+    reqs = out.requests
+    starts = [r.num_computed_tokens for r in reqs]
+    input_ids: list[int] = []
+    for r, s, n in zip(reqs, starts, out.num_new_tokens):
+        input_ids.extend(r.all_token_ids[s:s + n])
+    query_lens = torch.tensor(out.num_new_tokens)
+    start_t = torch.tensor(starts)
+    context_lens = start_t + query_lens
+    query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.long)
+    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+    positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - query_start_loc[:-1], query_lens)
+
+    width = max(len(r.block_ids) for r in reqs)
+    block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
+    req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
+    slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+
+    rows = _sample_rows(out)
+    logits_indices = query_start_loc[1:][rows] - 1
+    common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
+                                     num_heads, num_kv_heads)
+    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, query_start_loc[:-1].tolist())
+    return StepInputs(torch.tensor(input_ids), positions, logits_indices, common,
+                      _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
+
+
+def _sample_rows(out: SchedulerOutput) -> list[int]:
+    """The scheduled requests that sample this step: those whose chunk reaches their last token."""
+    return [i for i, (r, n) in enumerate(zip(out.requests, out.num_new_tokens))
+            if r.num_computed_tokens + n == r.num_tokens]
+
+
+def sampled_requests(out: SchedulerOutput) -> list[Request]:
+    """The requests of `out` that sample this step, in the order of the step's sampling rows."""
+    return [out.requests[i] for i in _sample_rows(out)]
+
+
+def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
+    specs: list[SampleSpec] = []
+    failures: dict[str, str] = {}
+    for r in sampled:
+        try:
+            p = r.sampling_params
+            history = (r.all_token_ids, r.num_prompt_tokens) if p.adjusts_logits else None
+            specs.append(SampleSpec(r.request_id, r.seed, p, _ban(r), history))
+        except Exception as e:
+            failures[r.request_id] = f"{type(e).__name__}: {e}"
+    if failures:
+        raise RequestsFailed(failures)
+    return specs
+
+
+def _ban(req: Request) -> list[int] | None:
+    """Tokens the request may not pick now: those that would stop it before its `min_tokens` are out (EOS
+    and the stop token ids), and the last tokens of bad words the output would complete."""
+    p = req.sampling_params
+    banned = []
+    if req.num_output_tokens < p.min_tokens:
+        banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
+    if req.bad_words_token_ids:
+        banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)
+    return banned or None
