@@ -203,7 +203,9 @@ class AppConfig(BaseModel):
 
 TOOL_CALL_PARSERS = ("hermes",)
 DRAIN_POLL_S = 0.5
-DRAIN_MARGIN_S = 10.0
+# Serve force-kills a stopping engine replica this long after drain_timeout_s: the ingress learns of the stop
+# through Serve's long poll, which lagged over 10 s on a loaded 2-core host, and must cut its streams first.
+DRAIN_MARGIN_S = 30.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _JSON_OPTIONS = ("prefill_engine", "decode_engine", "default_chat_template_kwargs")
 _CALL_HEADROOM = 64  # open calls beyond generate: one subscribe stream per ingress replica, scrapes, KV releases
