@@ -336,11 +336,12 @@ def build_app(args: dict[str, Any] | AppConfig | None = None):
     ingress = OpenAIIngress.options(**config.ingress_deployment_options())
     if not config.disaggregate:
         worker = worker_deployment(WORKER_DEPLOYMENT).options(**config.worker_deployment_options()).bind(
-            asdict(config.engine), config.max_waiting_requests, max_failed_steps=config.max_failed_steps)
+            asdict(config.engine), config.max_waiting_requests, max_failed_steps=config.max_failed_steps,
+            drain_timeout_s=config.drain_timeout_s)
         return ingress.bind(worker, config.model_dump(mode="python"))
     pools = {}
     for pool, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
         pools[pool] = worker_deployment(name).options(**config.pool_deployment_options(pool)).bind(
             asdict(config.pool_engine(pool)), config.max_waiting_requests, pool, config.kv_transport, config.kv_lease_s,
-            config.kv_fetch_delay_s, max_failed_steps=config.max_failed_steps)
+            config.kv_fetch_delay_s, max_failed_steps=config.max_failed_steps, drain_timeout_s=config.drain_timeout_s)
     return ingress.bind(pools["decode"], config.model_dump(mode="python"), pools["prefill"])

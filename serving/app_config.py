@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator,
 
 from serving.chat import load_chat_template
 from workers.config import EngineConfig
+from workers.replica_drain import DRAIN_POLL_S
 
 
 class AppConfig(BaseModel):
@@ -186,9 +187,10 @@ class AppConfig(BaseModel):
         return opts
 
     def _lifecycle_options(self) -> dict[str, Any]:
-        """Serve's health-check and drain settings of an engine deployment. Serve force-kills a stopping
-        replica `DRAIN_MARGIN_S` after the ingress has ended what was still running on it (the ingress
-        counts from when its router drops the replica, which can lag Serve's stop under load)."""
+        """Serve's health-check and drain settings of an engine deployment. A stopping replica ends what
+        still runs on it at `drain_timeout_s`; Serve force-kills it `DRAIN_MARGIN_S` later, time for the
+        ingress's fallback cut (it counts from when its router drops the replica, which can lag Serve's
+        stop under load)."""
         return {"health_check_period_s": self.health_check_period_s,
                 "health_check_timeout_s": self.health_check_timeout_s,
                 "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
@@ -202,9 +204,9 @@ class AppConfig(BaseModel):
 
 
 TOOL_CALL_PARSERS = ("hermes",)
-DRAIN_POLL_S = 0.5
-# Serve force-kills a stopping engine replica this long after drain_timeout_s: the ingress learns of the stop
-# through Serve's long poll, which lagged over 10 s on a loaded 2-core host, and must cut its streams first.
+# Serve force-kills a stopping engine replica this long after drain_timeout_s. The replica ends its own
+# requests at drain_timeout_s; the margin is for the ingress's fallback, which counts from when Serve's long
+# poll tells it of the stop (over 10 s late on a loaded 2-core host).
 DRAIN_MARGIN_S = 30.0
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 _JSON_OPTIONS = ("prefill_engine", "decode_engine", "default_chat_template_kwargs")

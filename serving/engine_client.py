@@ -4,7 +4,8 @@
 one replica arrive on a single subscriber stream per replica and are fanned out here to per-request
 queues. A replica that dies ends its requests with `EngineError`, never a hang; a request no replica
 takes within `replica_wait_timeout_s` gets 503; a replica that stops (scale-down, redeploy) keeps its
-requests for `drain_timeout_s`, then they end with an error."""
+requests for `drain_timeout_s`, then they end with an error (the replica counts from when Serve began
+stopping it; the ingress, as a fallback, from when its router dropped the replica)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from ray.serve.handle import DeploymentHandle
 from router.registry import known_replica_ids
 from workers.messages import Accepted, GenerateRequest, Rejected, StepBatch
 from workers.outputs import RequestOutput
+from workers.replica_drain import DRAIN_POLL_S, ReplicaStopping
 
 logger = logging.getLogger(__name__)
-DRAIN_POLL_S = 0.5
 
 
 def call(method, *args, **kwargs):
@@ -156,6 +157,8 @@ class EngineClient:
                 pass
         except asyncio.CancelledError:
             raise
+        except ReplicaStopping as e:  # raised on the replica; Ray's wrapper keeps it as `cause`
+            queue.put_nowait(EngineError(str(getattr(e, "cause", e))))
         except Exception as e:
             queue.put_nowait(EngineError(f"the engine replica serving this request failed: {_describe(e)}"))
 

@@ -12,6 +12,7 @@ Streaming protocol (see docs/architecture.md for the measured reasons):
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ from workers.kv_transfer import KVLayout, KVTransferMeta, make_receiver, make_se
 from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, StepBatch
 from workers.metrics import EngineMetrics
 from workers.outputs import RequestOutput
+from workers.replica_drain import DRAIN_POLL_S, ReplicaStopping, serve_stop_flag
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -59,17 +63,21 @@ class EngineWorker:
     "decode" (fetches the prompt's KV by ticket and continues).
 
     `max_failed_steps`: after this many engine steps in a row fail, `check_health` reports the replica
-    unhealthy, so Serve replaces it."""
+    unhealthy, so Serve replaces it.
+
+    `drain_timeout_s`: once Serve starts stopping the replica, requests still running this long after end
+    with `ReplicaStopping` (the ingress answers 503); then its subscriber streams end, so Serve's drain
+    completes without waiting for its force-kill."""
 
     def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None,
                  role: str = "colocated", kv_transport: str = "auto", kv_lease_s: float = 30.0,
-                 kv_fetch_delay_s: float = 0.0, max_failed_steps: int = 5) -> None:
+                 kv_fetch_delay_s: float = 0.0, max_failed_steps: int = 5, drain_timeout_s: float = 30.0) -> None:
         self._startup = StartupTimes(_process_start_time(), time.time())
         if role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
         if max_failed_steps < 1:
             raise ValueError(f"max_failed_steps must be >= 1, got {max_failed_steps}")
-        self.max_failed_steps = max_failed_steps
+        self.max_failed_steps, self.drain_timeout_s = max_failed_steps, drain_timeout_s
         if isinstance(engine_config, dict) or engine_config is None:
             engine_config = EngineConfig(**(engine_config or {}))
         try:
@@ -90,6 +98,9 @@ class EngineWorker:
         self._receiver = make_receiver(self.transport, device) if role == "decode" else None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._waiting_for_kv = 0
+        self._stop_flag = serve_stop_flag()
+        self._drain_watch: asyncio.Task | None = None
+        self._drained = False  # stopping, and nothing runs here any more
         self.loop = EngineLoop(self.engine, self._on_step)
         self.loop.start()
         self._startup.engine_ready = time.time()
@@ -97,10 +108,14 @@ class EngineWorker:
     # ---- called by the ingress -----------------------------------------------------------------
 
     async def generate(self, subscriber_id: str, request: GenerateRequest):
-        self._aio = asyncio.get_running_loop()
+        self._attach()
         rid = request.request_id
         if rid in self._in_flight:
             yield Rejected(400, f"request id {rid!r} is already in use")
+            return
+        if self._drained:
+            yield Rejected(503, f"replica {self.replica_id} is shutting down; retry", "service_unavailable",
+                           RETRY_AFTER_S)
             return
         if request.hold_kv and self.role != "prefill":
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
@@ -199,11 +214,11 @@ class EngineWorker:
     async def subscribe(self, subscriber_id: str, replica_id: str | None = None):
         """Per-step output batches for one ingress replica. `replica_id` pins the call to this replica
         (read by `router.request_router.KVRelayRequestRouter`)."""
-        self._aio = asyncio.get_running_loop()
+        self._attach()
         sub = self._subscribers.setdefault(subscriber_id, _Subscriber())
         try:
             yield self.replica_id
-            while True:
+            while not self._drained:
                 await sub.event.wait()
                 sub.event.clear()
                 batch, sub.pending = sub.pending, StepBatch()
@@ -232,7 +247,7 @@ class EngineWorker:
         replica. A stopped engine loop also fails the requests still waiting on it, at once."""
         if not self.loop.is_alive():
             message = f"the engine loop of replica {self.replica_id} has stopped"
-            self._fail_in_flight(message)
+            self._fail_in_flight(EngineLoopStopped(message))
             raise EngineLoopStopped(message)
         await self.engine.runner.check_alive()  # tensor-parallel ranks: a lost one fails the replica
         failed = self.loop.consecutive_failed_steps
@@ -240,12 +255,40 @@ class EngineWorker:
             raise RuntimeError(f"the last {failed} engine steps of replica {self.replica_id} failed "
                                f"(max_failed_steps={self.max_failed_steps}); see its log for the errors")
 
-    def _fail_in_flight(self, message: str) -> None:
+    def _fail_in_flight(self, error: Exception) -> None:
         """End every open `generate` call with an error (the ingress answers 503)."""
         entries, self._in_flight = list(self._in_flight.values()), {}
         for entry in entries:
             if not entry.done.done():
-                entry.done.set_exception(EngineLoopStopped(message))
+                entry.done.set_exception(error)
+
+    def _attach(self) -> None:
+        """Runs in each call from the ingress: the replica's event loop is known from the first one on."""
+        self._aio = asyncio.get_running_loop()
+        if self._stop_flag is not None and self._drain_watch is None:
+            self._drain_watch = self._aio.create_task(self._watch_drain())
+
+    async def _watch_drain(self) -> None:
+        """From the moment Serve starts stopping this replica, its requests have `drain_timeout_s` to
+        finish; the rest are aborted (their KV blocks freed) and end with `ReplicaStopping`."""
+        while not self._stop_flag():
+            await asyncio.sleep(DRAIN_POLL_S)
+        deadline = self._aio.time() + self.drain_timeout_s
+        logger.info("replica %s is stopping; %d requests may run %g s more", self.replica_id, len(self._in_flight),
+                    self.drain_timeout_s)
+        while self._in_flight and self._aio.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self._in_flight:
+            logger.info("replica %s ends %d requests still running after drain_timeout_s", self.replica_id,
+                        len(self._in_flight))
+            for rid in self._in_flight:
+                self.loop.abort(rid)
+            self._fail_in_flight(ReplicaStopping(
+                f"engine replica {self.replica_id} is shutting down and this request did not finish within "
+                f"drain_timeout_s={self.drain_timeout_s:g} s; retry it"))
+        self._drained = True
+        for sub in self._subscribers.values():
+            sub.event.set()
 
     def startup_times(self) -> dict[str, float]:
         """When this replica's process started, its constructor began, and its engine was ready."""
