@@ -207,10 +207,10 @@ class EngineClient:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        for rid, message in batch.errors.items():
+        for rid, error in batch.errors.items():
             queue = self._queues.get(rid)
             if queue is not None:
-                queue.put_nowait(EngineError(message, 400, "invalid_request_error"))
+                queue.put_nowait(EngineError(error.message, error.status, error.type))
 
     def _request_done(self, sub: _Subscription, request_id: str) -> None:
         sub.requests.discard(request_id)

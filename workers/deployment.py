@@ -24,7 +24,7 @@ from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats, KVImport
 from workers.engine_loop import EngineLoop
 from workers.kv_transfer import KVLayout, KVTransferMeta, make_receiver, make_sender, resolve_transport
-from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, StepBatch
+from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, RequestError, StepBatch
 from workers.metrics import EngineMetrics
 from workers.outputs import RequestOutput
 from workers.replica_drain import DRAIN_POLL_S, ReplicaStopping, serve_stop_flag
@@ -315,7 +315,7 @@ class EngineWorker:
 
     # ---- engine thread -> event loop -----------------------------------------------------------
 
-    def _on_step(self, outputs: list[RequestOutput], errors: dict[str, str], stats: EngineStats,
+    def _on_step(self, outputs: list[RequestOutput], errors: dict[str, RequestError], stats: EngineStats,
                  exports: dict[str, torch.Tensor]) -> None:
         """Runs on the engine thread once per step: metrics and KV offers here, delivery on the replica's
         event loop."""
@@ -330,7 +330,7 @@ class EngineWorker:
         if (outputs or errors) and self._aio is not None:
             self._aio.call_soon_threadsafe(self._dispatch, outputs, errors, tickets)
 
-    def _dispatch(self, outputs: list[RequestOutput], errors: dict[str, str], tickets: dict) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], errors: dict[str, RequestError], tickets: dict) -> None:
         touched: set[int] = set()
         subs: list[_Subscriber] = []
 
@@ -356,10 +356,10 @@ class EngineWorker:
                 batch.outputs.append(out)
             if out.finished:
                 self._resolve(out.request_id)
-        for rid, message in errors.items():
+        for rid, error in errors.items():
             batch = deliver(rid)
             if batch is not None:
-                batch.errors[rid] = message
+                batch.errors[rid] = error
             self._resolve(rid)
         for sub in subs:
             sub.event.set()

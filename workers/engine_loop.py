@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine import Engine, EngineStats, KVImport
-from workers.messages import GenerateRequest
+from workers.messages import GenerateRequest, RequestError
 from workers.output_processor import OutputKind
 from workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-Publish = Callable[[list[RequestOutput], dict[str, str], EngineStats, dict[str, torch.Tensor]], None]
+Publish = Callable[[list[RequestOutput], dict[str, RequestError], EngineStats, dict[str, torch.Tensor]], None]
 
 
 @dataclass(slots=True)
@@ -97,13 +97,13 @@ class EngineLoop:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def _drain_inbox(self) -> dict[str, str]:
+    def _drain_inbox(self) -> dict[str, RequestError]:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
             releases, self._releases = self._releases, []
             self._draining, self._arrived = self._draining + self._arrived, Arrivals()
-        errors: dict[str, str] = {}
+        errors: dict[str, RequestError] = {}
         for rid in releases:
             self.engine.release_kv(rid)
         for req, kv in adds:
@@ -112,10 +112,11 @@ class EngineLoop:
                                         priority=req.priority, output_kind=OutputKind.DELTA, hold_kv=req.hold_kv,
                                         kv_import=kv)
             except ValueError as e:
-                errors[req.request_id] = str(e)
+                errors[req.request_id] = RequestError(str(e))
             except Exception as e:  # a bug, not bad input: this request fails, the loop goes on
                 logger.exception("adding request %s failed", req.request_id)
-                errors[req.request_id] = f"the engine could not take the request: {type(e).__name__}: {e}"
+                errors[req.request_id] = RequestError(
+                    f"the engine could not take the request: {type(e).__name__}: {e}", 500)
             finally:
                 with self._lock:
                     self._queued -= 1
@@ -137,9 +138,9 @@ class EngineLoop:
                     logger.exception("engine step failed")
                     ids = self.engine.unfinished_request_ids()
                     self.engine.abort_request(ids)
-                    errors.update({rid: f"engine step failed: {e}" for rid in ids})
-                finally:
-                    errors.update(self.engine.failed)  # requests that broke the step, aborted on their own
+                    errors.update({rid: RequestError(f"engine step failed: {e}", 500) for rid in ids})
+                finally:  # requests that broke the step, aborted on their own
+                    errors.update({rid: RequestError(m, 500) for rid, m in self.engine.failed.items()})
             exports = {o.request_id: self.engine.export_kv(o.request_id) for o in outputs
                        if o.finished and self.engine.holds_kv(o.request_id)}
             self._set_stats(self.engine.get_stats())
@@ -155,7 +156,7 @@ class EngineLoop:
             self.stats = stats
             self._draining = Arrivals()
 
-    def _safe_publish(self, outputs: list[RequestOutput], errors: dict[str, str],
+    def _safe_publish(self, outputs: list[RequestOutput], errors: dict[str, RequestError],
                       exports: dict[str, torch.Tensor]) -> None:
         """Publish one step; a failure there is logged and never ends the loop (its requests still end:
         the subscriber's stream or the lease is the backstop)."""

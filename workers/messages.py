@@ -41,12 +41,25 @@ class Rejected:
 
 
 @dataclass(slots=True)
+class RequestError:
+    """Why the engine ended a request early, with the HTTP status to answer: 400 when the request itself
+    is at fault (found as it was added), 500 when the engine is (a step or the model run failed)."""
+
+    message: str
+    status: int = 400
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "internal_error"
+
+
+@dataclass(slots=True)
 class StepBatch:
     """Everything one engine step produced for one subscriber: deltas of its requests, and the requests
-    that failed inside the engine (id -> message)."""
+    that ended with an error (id -> why)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, RequestError] = field(default_factory=dict)
     kv_tickets: dict[str, Any] = field(default_factory=dict)  # request id -> ticket of its held KV
 
 

@@ -58,15 +58,25 @@ def test_a_killed_rank_ends_streams_with_an_error_and_the_replica_is_replaced(ur
             return f"error: {e}"
         return "finished"
 
-    async def run() -> str:
+    async def whole_answer() -> int:
+        try:
+            await client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=1000,
+                                            extra_body={"ignore_eos": True})
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+
+    async def run() -> tuple[str, int]:
         started = asyncio.Event()
+        whole = asyncio.create_task(whole_answer())
         task = asyncio.create_task(stream_until_error(started))
         await asyncio.wait_for(started.wait(), 60)
         ray.kill(ray.get_actor(*before[1]))
-        return await asyncio.wait_for(task, 60)  # no hang
+        return await asyncio.wait_for(asyncio.gather(task, whole), 60)  # no hang
 
-    outcome = asyncio.run(run())
+    outcome, status = asyncio.run(run())
     assert outcome.startswith("error"), outcome
+    assert status >= 500, status  # the server's failure, not the request's
     deadline = time.monotonic() + 240
     while True:
         status, body = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},

@@ -156,7 +156,8 @@ def test_engine_loop_publishes_the_error_and_serves_the_others(engine, alone, mo
         assert done.wait(60)
     finally:
         loop.stop()
-    assert {rid: [t] for rid, t in tokens.items()} == alone and list(errors) == ["bad"] and "boom" in errors["bad"]
+    assert {rid: [t] for rid, t in tokens.items()} == alone and list(errors) == ["bad"] and "boom" in errors["bad"].message
+    assert errors["bad"].status == 500  # the engine's fault, not the request's
     assert_clean(engine)
 
 
