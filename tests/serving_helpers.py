@@ -32,11 +32,15 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """`/metrics` parsed with prometheus_client: {(sample name, sorted labels): value}."""
+    """`/metrics` parsed (`parse_metrics`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return parse_metrics(r.read().decode())
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    """A Prometheus exposition parsed with prometheus_client: {(sample name, sorted labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -187,15 +187,18 @@ class TPModelRunner:
                         for w, (a, b) in zip(self.workers, self.kv_ranges)], self.timeout_s)
 
     def close(self) -> None:
-        """Kill the rank actors (idempotent)."""
+        """Kill the rank actors (idempotent). Once closed, it imports nothing: `__del__` may run it again
+        while the interpreter shuts down."""
+        workers, self.workers = getattr(self, "workers", []), []
+        if not workers:
+            return
         import ray
 
-        for w in getattr(self, "workers", []):
+        for w in workers:
             try:
                 ray.kill(w)
             except Exception:
                 pass
-        self.workers = []
 
     def __del__(self) -> None:
         self.close()

@@ -1,17 +1,22 @@
 """Tensor parallelism: how heads, features and vocabulary split over ranks, and an engine spread over Ray
 rank actors (gloo on the CPU) that generates the same greedy tokens as one process, in float32, and hands
-KV off to and from engines of other sizes. A lost rank fails the step whole, the replica's health check
-and the requests in flight, without a hang."""
+KV off to and from engines of other sizes. Prefix cache hits, preemption, chunked prefill, seeded `n > 1`
+sampling and the metrics behave as in one process. A lost rank fails the step whole, the replica's health
+check and the requests in flight, without a hang."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
+from dataclasses import fields, replace
 
 import pytest
+from serving_helpers import metric_sum, parse_metrics
 
 from serving import LLM, SamplingParams, StructuredOutputsParams
-from workers.engine import Engine, KVImport
+from workers.engine import Engine, EngineStats, KVImport
+from workers.metrics import EngineMetrics
 from workers.output_processor import OutputKind
 from workers.step_isolation import RunnerUnavailable
 from workers.tensor_parallel import check_tp_size, partition
@@ -55,7 +60,8 @@ def prompts(make_prompts):
     return make_prompts([5, 40, 70])
 
 
-def _greedy_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+def _token_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[list[int]]]:
+    """Each prompt's completions' token ids."""
     return [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params)]
 
 
@@ -80,9 +86,9 @@ def test_tiny_model_tp2_matches_one_process(tiny_tp1, tiny_tp2, prompts):
     small cache) on two ranks."""
     batch = prompts + [prompts[1]]
     params = SamplingParams(n=2, max_tokens=8, temperature=0.0)
-    expected = _greedy_tokens(tiny_tp1, batch, params)
+    expected = _token_ids(tiny_tp1, batch, params)
     assert tiny_tp2.engine.model is None and len(tiny_tp2.engine.runner.workers) == 2
-    assert _greedy_tokens(tiny_tp2, batch, params) == expected
+    assert _token_ids(tiny_tp2, batch, params) == expected
     stats = tiny_tp2.engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.kv_cache_usage == 0.0
 
@@ -130,7 +136,7 @@ def _hand_off(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_
 def test_kv_hands_off_between_pools_of_any_tensor_parallel_size(tiny_tp1, tiny_tp2, prompts):
     """The payload holds all KV heads, so TP-2 to TP-2, TP-2 to TP-1 and TP-1 to TP-2 all continue as one
     process would."""
-    expected = _greedy_tokens(tiny_tp1, [prompts[1]], GREEDY)[0][0]
+    expected = _token_ids(tiny_tp1, [prompts[1]], GREEDY)[0][0]
     one, two = tiny_tp1.engine, tiny_tp2.engine
     assert _hand_off(two, two, "2to2", prompts[1], 8) == expected
     assert _hand_off(two, one, "2to1", prompts[1], 8) == expected
@@ -138,13 +144,134 @@ def test_kv_hands_off_between_pools_of_any_tensor_parallel_size(tiny_tp1, tiny_t
     assert two.get_stats().num_kv_import_fallbacks == 0 and two.kv_cache.usage == 0.0
 
 
+FIXED = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _stats_delta(engine: Engine, run) -> tuple[object, EngineStats]:
+    """`run()`'s result and how the engine's cumulative stats moved while it ran."""
+    before = engine.get_stats()
+    result = run()
+    after = engine.get_stats()
+    return result, replace(after, **{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(after)
+                                      if isinstance(getattr(after, f.name), int)})
+
+
+def _step_by_hand(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]],
+                  metrics: EngineMetrics | None = None) -> tuple[dict[str, list[int]], dict[str, int], list[tuple]]:
+    """Run `requests` (id -> prompt, params; added in order) to the end one `step()` at a time. Returns each
+    request's tokens, the step that gave its first token, and per step what the engine reports (running,
+    waiting, KV usage, and the preemptions, prompt and generation tokens since the start), observed by
+    `metrics` if given."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, None, params, prompt_token_ids=prompt, output_kind=OutputKind.DELTA)
+    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
+    first: dict[str, int] = {}
+    trajectory = []
+    start = engine.get_stats()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for out in outputs:
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, len(trajectory) + 1)
+                tokens[out.request_id] += out.outputs[0].token_ids
+        s = engine.get_stats()
+        trajectory.append((s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions - start.num_preemptions,
+                           s.prompt_tokens - start.prompt_tokens, s.generation_tokens - start.generation_tokens))
+        if metrics is not None:
+            metrics.observe_step(s, outputs, time.monotonic())
+    return tokens, first, trajectory
+
+
+def test_tp2_reads_prefix_cache_hits_from_the_ranks_caches(tiny_tp1, tiny_tp2, make_prompts):
+    """A prompt sharing four full blocks (64 tokens) with one that ran two requests earlier finds them
+    cached: the hits are counted, only its own tail is computed, and its tokens are one process's (so the
+    ranks' cache shards kept the first prompt's KV in those blocks while another request ran)."""
+    prefix, tail_a, tail_b, other = make_prompts([64, 10, 12, 10], seed=4000)
+    first, second = prefix + tail_a, prefix + tail_b
+    results = []
+    for llm in (tiny_tp1, tiny_tp2):
+        for prompt, hits in ((first, 0), (other, 0), (second, 64)):
+            tokens, delta = _stats_delta(llm.engine, lambda: _token_ids(llm, [prompt], FIXED)[0][0])
+            assert delta.prefix_cache_hits == hits and delta.prefix_cache_queries == len(prompt)
+            assert delta.computed_tokens == len(prompt) - hits + FIXED.max_tokens - 1
+            results.append(tokens)
+    assert results[3:] == results[:3]
+    assert tiny_tp2.engine.kv_cache.usage == 0.0
+
+
+def test_tp2_preempts_and_recomputes_as_one_process(tiny_tp1, tiny_tp2, make_prompts):
+    """Three 40-token prompts that each grow to 80 tokens (5 blocks of the 8): two run, outgrow the cache
+    and one is preempted, its KV freed and later recomputed on the ranks."""
+    prompts = make_prompts([40, 40, 40], seed=8000)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    results = []
+    for llm in (tiny_tp1, tiny_tp2):
+        tokens, delta = _stats_delta(llm.engine, lambda: _token_ids(llm, prompts, params))
+        assert delta.num_preemptions > 0 and llm.engine.kv_cache.usage == 0.0
+        assert all(len(t[0]) == 40 for t in tokens)
+        results.append(tokens)
+    assert results[1] == results[0]
+
+
+def test_tp2_chunks_a_long_prefill_beside_decodes_as_one_process(tiny_tp1, tiny_tp2, make_prompts):
+    """A 100-token prompt under a 32-token step budget is prefilled over four steps, in the same batches
+    as a short request's decodes; every step's mix gives the tokens one process does."""
+    short, long = make_prompts([10, 100], seed=12000)
+    assert len(long) > 3 * TINY["max_num_batched_tokens"]
+    requests = {"chunk-short": (short, FIXED), "chunk-long": (long, FIXED)}
+    one = _step_by_hand(tiny_tp1.engine, requests)
+    two = _step_by_hand(tiny_tp2.engine, requests)
+    tokens, first, _ = two
+    assert first == {"chunk-short": 1, "chunk-long": 4}  # 22 + 31 + 31 + 16 prompt tokens
+    assert all(len(t) == 8 for t in tokens.values())
+    assert two[:2] == one[:2]
+
+
+def test_tp2_seeded_n2_sampling_equals_one_process(tiny_tp1, tiny_tp2, make_prompts):
+    """Random sampling with a seed is bit-identical across tensor-parallel sizes: each of a request's `n`
+    sequences draws from its own generator (seed + index) on rank 0, and float32 logits differ too little
+    between one and two ranks to change a draw. The two sequences differ, and TP-2 repeats itself."""
+    prompts = make_prompts([12, 33], seed=16000)
+    params = SamplingParams(n=2, max_tokens=8, temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)
+    expected = _token_ids(tiny_tp1, prompts, params)
+    got = _token_ids(tiny_tp2, prompts, params)
+    assert got == expected
+    assert all(len(seqs) == 2 and seqs[0] != seqs[1] for seqs in got)
+    assert _token_ids(tiny_tp2, prompts, params) == got
+
+
+def test_tp2_reports_the_metrics_of_one_process(tiny_tp1, tiny_tp2, make_prompts):
+    """Step by step the engine reports the same running and waiting counts, KV cache usage and token
+    counts with two ranks as with one, and the Prometheus counters add up to the workload."""
+    prompts = make_prompts([20, 45], seed=19000)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    requests = {f"metrics-{i}": (p, params) for i, p in enumerate(prompts)}
+    runs, moved = [], []
+    for llm in (tiny_tp1, tiny_tp2):
+        metrics = EngineMetrics("r0")
+        metrics.observe_step(llm.engine.get_stats(), [], time.monotonic())  # what earlier tests counted
+        before = parse_metrics(metrics.render().decode())
+        tokens, _, trajectory = _step_by_hand(llm.engine, requests, metrics)
+        after = parse_metrics(metrics.render().decode())
+        runs.append((tokens, trajectory))
+        moved.append({name: metric_sum(after, name) - metric_sum(before, name) for name in (
+            "kvrelay:prompt_tokens_total", "kvrelay:generation_tokens_total", "kvrelay:request_success_total",
+            "kvrelay:num_preemptions_total", "kvrelay:prefix_cache_queries_total")})
+        assert max(t[2] for t in trajectory) > 0 and metric_sum(after, "kvrelay:kv_cache_usage_perc") == 0.0
+        assert metric_sum(after, "kvrelay:num_requests_running") == 0
+    assert runs[1] == runs[0]
+    assert moved[1] == moved[0] == {"kvrelay:prompt_tokens_total": 65, "kvrelay:generation_tokens_total": 12,
+                                    "kvrelay:request_success_total": 2, "kvrelay:num_preemptions_total": 0,
+                                    "kvrelay:prefix_cache_queries_total": 65}
+
+
 def test_smollm2_tp3_matches_one_process(ray_session, default_model_dir, prompts):
     """9 query heads and 3 KV heads: one KV head per rank."""
     options = dict(dtype="float32", max_model_len=256, kv_cache_memory="32MiB", num_threads=3)
-    expected = _greedy_tokens(LLM(default_model_dir, **options), prompts[:2])
+    expected = _token_ids(LLM(default_model_dir, **options), prompts[:2])
     llm = LLM(default_model_dir, tensor_parallel_size=3, **options)
     try:
-        assert _greedy_tokens(llm, prompts[:2]) == expected
+        assert _token_ids(llm, prompts[:2]) == expected
     finally:
         llm.engine.shutdown()
 
