@@ -278,7 +278,7 @@ def test_smollm2_tp3_matches_one_process(ray_session, default_model_dir, prompts
 
 def test_a_killed_rank_fails_the_step_the_health_check_and_the_requests(ray_session, tiny_model_dir):
     from workers.deployment import EngineWorker
-    from workers.messages import Accepted, GenerateRequest, Rejected
+    from workers.messages import Accepted, GenerateRequest, Rejected, RequestError
 
     worker = EngineWorker({"model": tiny_model_dir, "dtype": "float32", "num_kv_blocks": 64, "num_threads": 2,
                            "tensor_parallel_size": 2, "distributed_timeout_s": 60})
@@ -293,7 +293,7 @@ def test_a_killed_rank_fails_the_step_the_health_check_and_the_requests(ray_sess
         asyncio.run(serve_one("before"))
         asyncio.run(worker.check_health())
         ray_session.kill(worker.engine.runner.workers[1])
-        errors: list[dict[str, str]] = []
+        errors: list[dict[str, RequestError]] = []
         publish = worker.loop._publish
 
         def spy(outputs, errs, *rest) -> None:  # what the loop reports, on its way to the replica
@@ -302,7 +302,7 @@ def test_a_killed_rank_fails_the_step_the_health_check_and_the_requests(ray_sess
 
         worker.loop._publish = spy
         asyncio.run(asyncio.wait_for(serve_one("after"), 60))  # ends (with an error), never hangs
-        assert any("after" in e and "rank" in e["after"] for e in errors)
+        assert any("after" in e and "rank" in e["after"].message and e["after"].status == 500 for e in errors)
         with pytest.raises(RunnerUnavailable, match="rank"):
             asyncio.run(worker.check_health())
         assert worker.engine.runner.workers == []  # the survivors were stopped too
