@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +148,8 @@ def _apply_usage(result: RequestResult, usage: dict[str, Any] | None) -> str | N
     return None
 
 
-async def _http_error(resp: aiohttp.ClientResponse) -> str:
+async def http_error(resp: aiohttp.ClientResponse) -> str:
+    """`HTTP <status>: <message>` of an error response, from its OpenAI-style body when it has one."""
     text = await resp.text(errors="replace")
     try:
         message = error_message(json.loads(text))
@@ -156,46 +158,58 @@ async def _http_error(resp: aiohttp.ClientResponse) -> str:
     return f"HTTP {resp.status}: {message or text.strip()[:200] or resp.reason}"
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult) -> str | None:
-    """Consume the SSE stream, recording chunk arrival times; return an error or None."""
+class StreamFailure(Exception):
+    """A streamed answer that broke; `kind` groups failures for counting ("invalid JSON", "stream error",
+    "stream cut")."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+async def sse_events(resp: aiohttp.ClientResponse, start_time: float) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """The JSON events of a streamed answer up to `data: [DONE]`, each with its network chunk's arrival time
+    (s after `start_time`, a `time.perf_counter()` reading). Raises `StreamFailure` for an event that is not
+    JSON, an error event, or an end before `[DONE]`. A caller may stop early (to disconnect)."""
     lines = SSELineBuffer()
-    usage: dict[str, Any] | None = None
-    done = False
     events = 0
 
-    def handle(line: str, t: float) -> str | None:
-        nonlocal usage, done, events
-        data = sse_data(line)
-        if data is None or done:
-            return None
-        if data.strip() == "[DONE]":
-            done = True
-            return None
-        events += 1
+    def parse(data: str) -> dict[str, Any]:
         try:
             event = json.loads(data)
         except ValueError:
-            return f"invalid JSON in SSE event: {data[:100]!r}"
-        message = error_message(event)
-        if message:
-            return f"server error in stream: {message}"
-        if _has_token(event):
-            result.record_arrival(t)
-        if event.get("usage"):
-            usage = event["usage"]
-        return None
+            raise StreamFailure("invalid JSON", f"invalid JSON in SSE event: {data[:100]!r}") from None
+        if message := error_message(event):
+            raise StreamFailure("stream error", f"server error in stream: {message}")
+        return event
 
-    async for chunk in resp.content.iter_any():
-        t = time.perf_counter() - result.start_time
-        for line in lines.feed(chunk):
-            if error := handle(line, t):
-                return error
-    t = time.perf_counter() - result.start_time
-    for line in lines.flush():
-        if error := handle(line, t):
-            return error
-    if not done:
-        return f"stream ended without data: [DONE] after {events} events"
+    async def chunks() -> AsyncIterator[tuple[float, list[str]]]:
+        async for chunk in resp.content.iter_any():
+            yield time.perf_counter() - start_time, lines.feed(chunk)
+        yield time.perf_counter() - start_time, lines.flush()
+
+    async for t, batch in chunks():
+        for line in batch:
+            data = sse_data(line)
+            if data is None:
+                continue
+            if data.strip() == "[DONE]":
+                return
+            events += 1
+            yield t, parse(data)
+    raise StreamFailure("stream cut", f"stream ended without data: [DONE] after {events} events")
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult) -> str | None:
+    """Consume the SSE stream, recording chunk arrival times; return an error or None."""
+    usage: dict[str, Any] | None = None
+    try:
+        async for t, event in sse_events(resp, result.start_time):
+            if _has_token(event):
+                result.record_arrival(t)
+            usage = event.get("usage") or usage
+    except StreamFailure as e:
+        return str(e)
     return _apply_usage(result, usage)
 
 
@@ -234,7 +248,7 @@ async def send_completion(
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             result.status = resp.status
             if not 200 <= resp.status < 300:
-                result.error = await _http_error(resp)
+                result.error = await http_error(resp)
             elif stream:
                 result.error = await _read_stream(resp, result)
             else:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from tqdm.auto import tqdm
 
-from loadtest.http_client import RequestResult, SSELineBuffer, error_message, sse_data
+from loadtest.http_client import RequestResult, StreamFailure, error_message, http_error, sse_events
 from loadtest.soak_mix import SoakRequest, request_body
 
 
@@ -96,48 +96,24 @@ async def _read_body(resp: aiohttp.ClientResponse, req: SoakRequest, timing: Req
 
 async def _read_stream(resp: aiohttp.ClientResponse, req: SoakRequest, timing: RequestResult) -> _Read:
     """Read SSE events to `[DONE]`; with `disconnect_after`, close the connection after that many chunks."""
-    lines, read = SSELineBuffer(), _Read()
+    read = _Read()
     usage: dict[str, Any] | None = None
-    done = False
-
-    def handle(line: str, t: float) -> _Read | None:
-        nonlocal usage, done
-        data = sse_data(line)
-        if data is None or done:
-            return None
-        if data.strip() == "[DONE]":
-            done = True
-            return None
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return _Read("invalid JSON", f"invalid JSON in SSE event: {data[:100]!r}")
-        if message := error_message(event):
-            return _Read("stream error", f"server error in stream: {message}")
-        for choice in event.get("choices") or []:
-            if choice.get("finish_reason"):
-                read.finished.add(int(choice.get("index", 0)))
-            if _delta(choice, req.chat) or choice.get("finish_reason"):
-                read.chunks += 1
-        if any(_delta(c, req.chat) for c in event.get("choices") or []):
-            timing.record_arrival(t)
-        usage = event.get("usage") or usage
-        return None
-
-    async for chunk in resp.content.iter_any():
-        t = time.perf_counter() - timing.start_time
-        for line in lines.feed(chunk):
-            if failed := handle(line, t):
-                return failed
-        if req.disconnect_after is not None and read.chunks >= req.disconnect_after and not done:
-            resp.close()
-            read.disconnected = True
-            return read
-    for line in lines.flush():
-        if failed := handle(line, time.perf_counter() - timing.start_time):
-            return failed
-    if not done:
-        return _Read("stream cut", f"stream ended without data: [DONE] after {read.chunks} chunks")
+    try:
+        async for t, event in sse_events(resp, timing.start_time):
+            for choice in event.get("choices") or []:
+                if choice.get("finish_reason"):
+                    read.finished.add(int(choice.get("index", 0)))
+                if _delta(choice, req.chat) or choice.get("finish_reason"):
+                    read.chunks += 1
+            if any(_delta(c, req.chat) for c in event.get("choices") or []):
+                timing.record_arrival(t)
+            usage = event.get("usage") or usage
+            if req.disconnect_after is not None and read.chunks >= req.disconnect_after:
+                resp.close()
+                read.disconnected = True
+                return read
+    except StreamFailure as e:
+        return _Read(e.kind, str(e))
     if read.finished != set(range(req.n)):
         return _Read("bad response", f"finish_reason for choices {sorted(read.finished)}, expected 0..{req.n - 1}")
     if not usage or usage.get("completion_tokens") is None:
@@ -157,12 +133,7 @@ async def send_soak_request(session: aiohttp.ClientSession, url: str, model: str
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             timing.status = resp.status
             if not 200 <= resp.status < 300:
-                text = await resp.text(errors="replace")
-                try:
-                    message = error_message(json.loads(text))
-                except ValueError:
-                    message = None
-                read = _Read(f"HTTP {resp.status}", f"HTTP {resp.status}: {message or text.strip()[:200]}")
+                read = _Read(f"HTTP {resp.status}", await http_error(resp))
             elif req.stream:
                 read = await _read_stream(resp, req, timing)
             else:
