@@ -169,10 +169,11 @@ class StreamFailure(Exception):
 
 async def sse_events(resp: aiohttp.ClientResponse, start_time: float) -> AsyncIterator[tuple[float, dict[str, Any]]]:
     """The JSON events of a streamed answer up to `data: [DONE]`, each with its network chunk's arrival time
-    (s after `start_time`, a `time.perf_counter()` reading). Raises `StreamFailure` for an event that is not
-    JSON, an error event, or an end before `[DONE]`. A caller may stop early (to disconnect)."""
+    (s after `start_time`, a `time.perf_counter()` reading); the body is read to its end. Raises
+    `StreamFailure` for an event that is not JSON, an error event, or an end before `[DONE]`. A caller that
+    stops early (to disconnect) closes it with `contextlib.aclosing`."""
     lines = SSELineBuffer()
-    events = 0
+    events, done = 0, False
 
     def parse(data: str) -> dict[str, Any]:
         try:
@@ -183,21 +184,25 @@ async def sse_events(resp: aiohttp.ClientResponse, start_time: float) -> AsyncIt
             raise StreamFailure("stream error", f"server error in stream: {message}")
         return event
 
-    async def chunks() -> AsyncIterator[tuple[float, list[str]]]:
-        async for chunk in resp.content.iter_any():
-            yield time.perf_counter() - start_time, lines.feed(chunk)
-        yield time.perf_counter() - start_time, lines.flush()
-
-    async for t, batch in chunks():
+    eof = False
+    chunks = resp.content.iter_any()
+    while not eof:
+        try:
+            batch = lines.feed(await chunks.__anext__())
+        except StopAsyncIteration:
+            batch, eof = lines.flush(), True
+        t = time.perf_counter() - start_time
         for line in batch:
             data = sse_data(line)
-            if data is None:
+            if data is None or done:
                 continue
             if data.strip() == "[DONE]":
-                return
+                done = True
+                continue
             events += 1
             yield t, parse(data)
-    raise StreamFailure("stream cut", f"stream ended without data: [DONE] after {events} events")
+    if not done:
+        raise StreamFailure("stream cut", f"stream ended without data: [DONE] after {events} events")
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -99,19 +100,20 @@ async def _read_stream(resp: aiohttp.ClientResponse, req: SoakRequest, timing: R
     read = _Read()
     usage: dict[str, Any] | None = None
     try:
-        async for t, event in sse_events(resp, timing.start_time):
-            for choice in event.get("choices") or []:
-                if choice.get("finish_reason"):
-                    read.finished.add(int(choice.get("index", 0)))
-                if _delta(choice, req.chat) or choice.get("finish_reason"):
-                    read.chunks += 1
-            if any(_delta(c, req.chat) for c in event.get("choices") or []):
-                timing.record_arrival(t)
-            usage = event.get("usage") or usage
-            if req.disconnect_after is not None and read.chunks >= req.disconnect_after:
-                resp.close()
-                read.disconnected = True
-                return read
+        async with aclosing(sse_events(resp, timing.start_time)) as events:
+            async for t, event in events:
+                for choice in event.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        read.finished.add(int(choice.get("index", 0)))
+                    if _delta(choice, req.chat) or choice.get("finish_reason"):
+                        read.chunks += 1
+                if any(_delta(c, req.chat) for c in event.get("choices") or []):
+                    timing.record_arrival(t)
+                usage = event.get("usage") or usage
+                if req.disconnect_after is not None and read.chunks >= req.disconnect_after:
+                    resp.close()
+                    read.disconnected = True
+                    return read
     except StreamFailure as e:
         return _Read(e.kind, str(e))
     if read.finished != set(range(req.n)):
