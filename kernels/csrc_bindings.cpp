@@ -16,6 +16,7 @@ void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, to
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
@@ -28,5 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &write_kv_, "copy each token's K/V rows into its cache slot");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [rows, 2n] -> [rows, n]");
   m.def("gemv_bf16", &gemv_bf16, "x [M, K] @ W[N, K]^T (+ bias) for a few rows, bfloat16",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
 }

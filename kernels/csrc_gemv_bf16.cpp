@@ -4,8 +4,10 @@
 // into float32 lanes), float32 accumulation and one rounding to bfloat16 per output (the bias added first,
 // in float32). Threads split N in contiguous ranges, so each streams its own part of W.
 //
-// `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so; the Python side then
-// uses torch).
+// `linear_bf16` is what the layer ops call: the GEMV where it applies (at most `max_rows` rows, bfloat16,
+// contiguous rows, CPU), else `at::linear`; deciding here costs one call from Python instead of a dozen
+// attribute reads. `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so), and
+// `linear_bf16` then always takes `at::linear`.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -119,10 +121,23 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows) {
+  const bool bias_ok = !bias.has_value() || !bias->defined() ||
+                       (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1);
+  if (x.dim() == 2 && x.size(0) <= max_rows && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+      x.device().is_cpu() && w.device().is_cpu() && x.stride(1) == 1 && w.dim() == 2 && w.is_contiguous() && bias_ok)
+    return gemv_bf16(x, w, bias);
+  return at::linear(x, w, bias);
+}
+
 #else
 
 torch::Tensor gemv_bf16(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t) {
+  return at::linear(x, w, bias);
 }
 
 #endif

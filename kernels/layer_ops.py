@@ -69,15 +69,10 @@ class CppLayerOps(TorchLayerOps):
         self.gemv_max_rows = gemv_max_rows
 
     def linear(self, x, weight, bias=None):
-        """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 on a CPU with AVX512-BF16 (float32
-        sums, one rounding per output, as oneDNN's; the sums' order differs, so a rare output is one
-        bfloat16 step apart); `F.linear` for anything else."""
-        if (self._gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows and x.is_cpu
-                and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.stride(1) == 1
-                and weight.is_contiguous()
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))):
-            return self._gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
+        """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
+        AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another order, so
+        a rare output is one bfloat16 step apart. `F.linear` for anything else (decided in C++)."""
+        return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows)
 
     def rms_norm(self, x, weight, eps):
         return self._ext.rms_norm(x, weight, eps)

@@ -1,5 +1,5 @@
 """The compiled bfloat16 GEMV (`kernels/csrc_gemv_bf16.cpp`) and `CppLayerOps.linear`, which runs it for a
-few bfloat16 rows and `F.linear` otherwise. Float32 sums in another order than oneDNN's: against a float64
+few contiguous bfloat16 rows and `F.linear` otherwise. Float32 sums in another order than oneDNN's: against a float64
 reference each output is its correctly rounded value or one bfloat16 step from it; where every partial
 sum is exact in float32 (small integers) it equals the reference bit for bit. The module skips where the
 compiled kernels do not build; the kernel's own tests skip on CPUs without AVX512-BF16."""
@@ -98,20 +98,27 @@ def test_bad_inputs_raise():
         CPP._gemv(x, w, b[:8])
 
 
+def _took_torch(fn) -> bool:
+    """Whether `fn` ran torch's linear (the profiler records aten::linear; the GEMV does not call it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.key == "aten::linear" for e in prof.key_averages())
+
+
 @needs_bf16
-def test_linear_takes_the_gemv_for_few_bfloat16_rows(monkeypatch):
-    calls = []
-    gemv = CPP._gemv
-    monkeypatch.setattr(CPP, "_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
     x, w, b = _data(GEMV_MAX_ROWS + 1, 96, 64, seed=5)
     for rows in (1, GEMV_MAX_ROWS):
+        assert not _took_torch(lambda: CPP.linear(x[:rows], w, b))
+        assert not _took_torch(lambda: CPP.linear(x[:rows], w))
         _within_one_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
-    assert calls == [1, GEMV_MAX_ROWS]
+    strided_w = w.t().contiguous().t()
+    for args in [(x, w, b), (x[:2, ::2], w[:, :32].contiguous(), b), (x[:1], strided_w, b),
+                 (x[:1].float(), w.float(), b.float())]:
+        assert _took_torch(lambda: CPP.linear(*args))
     assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))  # past the threshold: oneDNN
-    assert torch.equal(CPP.linear(x[:1].float(), w.float(), b.float()), F.linear(x[:1].float(), w.float(), b.float()))
-    assert torch.equal(CPP.linear(x[:1], w.t().contiguous().t(), b), F.linear(x[:1], w.t().contiguous().t(), b))
-    assert torch.equal(CPP.linear(x[:2, ::2], w[:, :32], b), F.linear(x[:2, ::2], w[:, :32], b))
-    assert calls == [1, GEMV_MAX_ROWS, 1]
+    assert torch.equal(CPP.linear(x[:1], strided_w, b), F.linear(x[:1], strided_w, b))
+    assert not _took_torch(lambda: CppLayerOps(gemv_max_rows=GEMV_MAX_ROWS + 1).linear(x, w, b))
 
 
 def test_linear_falls_back_to_torch_for_other_dtypes():
