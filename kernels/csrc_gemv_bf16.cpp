@@ -20,9 +20,12 @@ namespace {
 
 using kvrelay_simd::float_to_bf16;
 
-constexpr int64_t kRowsPerTile = 4;   // weight rows read side by side, each with its own accumulators
+// Measured on a 2-core Zen 4 guest at one row: two weight rows side by side stream faster than four
+// (four concurrent streams per core reached ~25% less), and prefetching 16 rows ahead into L2 (not L1)
+// adds ~40% over the hardware prefetcher alone.
+constexpr int64_t kRowsPerTile = 2;   // weight rows read side by side, each with its own accumulators
 constexpr int64_t kMaxXRows = 4;      // x rows that share each weight load; more rows re-read the tile from L1
-constexpr int64_t kPrefetchTiles = 2; // how many tiles ahead the weights are prefetched
+constexpr int64_t kPrefetchRows = 16; // how far ahead the weights are prefetched
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
@@ -35,14 +38,14 @@ inline void tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, c
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   const int64_t full = K / 32 * 32;
-  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchTiles * kRowsPerTile * K);
+  const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * K);
   const bool prefetch = reinterpret_cast<const uint16_t*>(ahead) < w_end;
   int64_t k = 0;
   for (; k < full; k += 32) {
     __m512i wv[NR];
     for (int r = 0; r < NR; ++r) {
       wv[r] = _mm512_loadu_si512(w + r * K + k);
-      if (prefetch) _mm_prefetch(ahead + 2 * (r * K + k), _MM_HINT_T0);
+      if (prefetch) _mm_prefetch(ahead + 2 * (r * K + k), _MM_HINT_T1);
     }
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = as_bh(_mm512_loadu_si512(x + m * ldx + k));
