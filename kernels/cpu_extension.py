@@ -1,4 +1,4 @@
-"""Builds and loads kvrelay's compiled CPU kernels (paged decode attention and the fused layer ops).
+"""Builds and loads kvrelay's compiled CPU kernels (paged attention, the fused layer ops, bfloat16 GEMV).
 
 The C++ sources are built once with torch's extension loader (needs a C++ compiler and ninja) and
 cached under torch's extensions folder, one build folder per set of sources, flags and torch install.
@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / f"csrc_{name}.cpp" for name in ("bindings", "paged_decode", "attention_bf16", "layer_ops")]
+SOURCES = [_HERE / f"csrc_{name}.cpp" for name in ("bindings", "paged_decode", "attention_bf16", "layer_ops",
+                                                         "gemv_bf16")]
 _NAME = "kvrelay_cpu_kernels"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

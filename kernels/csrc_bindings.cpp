@@ -1,5 +1,5 @@
 // The Python module of kvrelay's compiled CPU kernels (sources: csrc_paged_decode.cpp, csrc_attention_bf16.cpp,
-// csrc_layer_ops.cpp).
+// csrc_layer_ops.cpp, csrc_gemv_bf16.cpp).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -15,10 +15,12 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
-  m.def("has_avx512_bf16", &has_avx512_bf16, "whether the bfloat16 attention kernels were compiled");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "whether the bfloat16 attention and GEMV kernels were compiled");
   m.def("paged_prefill_attention_bf16_", &paged_prefill_attention_bf16_, "causal chunk attention over the paged cache, bfloat16");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16, "paged attention for single-token queries, bfloat16");
   m.def("rms_norm", &rms_norm, "RMSNorm rounded as Hugging Face's torch code rounds");
@@ -26,4 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place, from cos/sin tables and positions");
   m.def("write_kv_", &write_kv_, "copy each token's K/V rows into its cache slot");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [rows, 2n] -> [rows, n]");
+  m.def("gemv_bf16", &gemv_bf16, "x [M, K] @ W[N, K]^T (+ bias) for a few rows, bfloat16",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
 }

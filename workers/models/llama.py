@@ -1,8 +1,9 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
 
 Plain modules in the gpt-fast manner: the batch is one flat run of tokens (no padding), q/k/v and
-gate/up projections are fused into one matmul each, each residual add is fused with the norm after it
-(`kernels/layer_ops.py`), and only the rows that sample go past the last layer's attention.
+gate/up projections are fused into one matmul each, each residual add is fused with the norm after it,
+the linear layers run through the layer ops too (a compiled GEMV at decode's few rows, `kernels/layer_ops.py`),
+and only the rows that sample go past the last layer's attention.
 
 Under tensor parallelism (`workers/tensor_parallel.py`) each rank builds the same modules over its slices:
 q/k/v and gate/up are split by output rows (column-parallel), o_proj and down by input columns
@@ -107,7 +108,7 @@ class DecoderLayer(nn.Module):
         past attention (every token still writes its K/V)."""
         t = x.shape[0]
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qkv = ops.linear(h, self.qkv, self.qkv_bias)
         qk = qkv[:, : (nh + kvh) * d].view(t, nh + kvh, d)
         ops.rope_(qk, *rope)
         q, k = qk[:, :nh], qk[:, nh:]
@@ -116,8 +117,8 @@ class DecoderLayer(nn.Module):
         o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
         if rows is not None:
             x, o = x[rows], o[rows]
-        x, h = ops.add_rms_norm(x, self.tp.all_reduce(F.linear(o, self.o_proj)), self.post_norm, self.eps)
-        return x, self.tp.all_reduce(F.linear(ops.silu_and_mul(F.linear(h, self.gate_up)), self.down))
+        x, h = ops.add_rms_norm(x, self.tp.all_reduce(ops.linear(o, self.o_proj)), self.post_norm, self.eps)
+        return x, self.tp.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -157,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
             x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.tp.gather_last_dim(F.linear(h, head), self.args.vocab_size)
+        return self.tp.gather_last_dim(ops.linear(h, head), self.args.vocab_size)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings; a rank looks up the ids in its vocabulary range, zeros elsewhere, then all ranks sum."""

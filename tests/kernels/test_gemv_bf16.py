@@ -1,0 +1,128 @@
+"""The compiled bfloat16 GEMV (`kernels/csrc_gemv_bf16.cpp`) and `CppLayerOps.linear`, which runs it for a
+few contiguous bfloat16 rows and `F.linear` otherwise. Float32 sums in another order than oneDNN's: against a float64
+reference each output is its correctly rounded value or one bfloat16 step from it; where every partial
+sum is exact in float32 (small integers) it equals the reference bit for bit. The module skips where the
+compiled kernels do not build; the kernel's own tests skip on CPUs without AVX512-BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compiled_kernels import COMPILED, SKIP_REASON
+from kernels.layer_ops import GEMV_MAX_ROWS, CppLayerOps
+
+if not COMPILED:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+CPP = CppLayerOps()
+needs_bf16 = pytest.mark.skipif(CPP._gemv is None, reason="the CPU lacks AVX512-BF16: the GEMV is not built")
+
+# SmolLM2-135M's layers (qkv, o_proj, gate_up, down, LM head), then odd widths: K not a multiple of 32
+# (the masked tail), K under one vector, N not a multiple of the 4-row tile.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (7, 33), (130, 1), (5, 100), (1001, 4095)]
+
+
+def _data(m: int, n: int, k: int, seed: int, integers: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    if integers:
+        x, w, b = (torch.randint(-8, 9, size, generator=gen).to(torch.bfloat16) for size in ((m, k), (n, k), (n,)))
+    else:
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+        b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return x, w, b
+
+
+def _reference(x, w, b, rounded: bool = True):
+    """Float64 sums of the exact products (bfloat16 products are exact), by default rounded once to bfloat16."""
+    y = x.double() @ w.double().T
+    y = y if b is None else y + b.double()
+    return y.to(torch.bfloat16) if rounded else y
+
+
+def _within_one_step(y: torch.Tensor, x, w, b) -> None:
+    """Each value at most one bfloat16 step, plus the worst-case error of float32 sums of its K products
+    (K * 2**-24 * the sum of their magnitudes), from the exact result; at least 99% are its correctly
+    rounded value."""
+    exact = _reference(x, w, b, rounded=False)
+    magnitudes = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)
+    assert ((y.double() - exact).abs() <= step + x.shape[1] * 2.0 ** -24 * magnitudes).all()
+    assert (y != exact.to(torch.bfloat16)).double().mean() < 0.01
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_a_float64_reference(n, k, bias):
+    for m in (1, 2, 3, 4, 5, 8):
+        x, w, b = _data(m, n, k, seed=n * k + m)
+        b = b if bias else None
+        y = CPP._gemv(x, w, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
+        _within_one_step(y, x, w, b)
+        torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-2, rtol=2 ** -7)
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536), (1001, 4095), (5, 100)])
+def test_exact_where_float32_sums_are_exact(n, k):
+    """Integers up to 8 in magnitude: every product and partial sum is an integer below 2**24, so any
+    order of float32 sums is exact, and the one rounding to bfloat16 must match the reference's."""
+    for m in range(1, 9):
+        x, w, b = _data(m, n, k, seed=m, integers=True)
+        assert torch.equal(CPP._gemv(x, w, b), _reference(x, w, b))
+        assert torch.equal(CPP._gemv(x, w), _reference(x, w, None))
+
+
+@needs_bf16
+def test_rows_of_a_wider_tensor_and_empty_inputs():
+    x, w, b = _data(3, 64, 96, seed=3)
+    wide = torch.zeros(3, 200, dtype=torch.bfloat16)
+    wide[:, 10:106] = x
+    assert torch.equal(CPP._gemv(wide[:, 10:106], w, b), CPP._gemv(x, w, b))
+    assert CPP._gemv(x[:0], w).shape == (0, 64)
+
+
+@needs_bf16
+def test_bad_inputs_raise():
+    x, w, b = _data(2, 16, 32, seed=0)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] and W \\[N, K\\]"):
+        CPP._gemv(x, w[:, :16].contiguous())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        CPP._gemv(x.float(), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        CPP._gemv(x, w.t().contiguous().t())
+    with pytest.raises(RuntimeError, match="bias"):
+        CPP._gemv(x, w, b[:8])
+
+
+def _took_torch(fn) -> bool:
+    """Whether `fn` ran torch's linear (the profiler records aten::linear; the GEMV does not call it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.key == "aten::linear" for e in prof.key_averages())
+
+
+@needs_bf16
+def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
+    x, w, b = _data(GEMV_MAX_ROWS + 1, 96, 64, seed=5)
+    for rows in (1, GEMV_MAX_ROWS):
+        assert not _took_torch(lambda: CPP.linear(x[:rows], w, b))
+        assert not _took_torch(lambda: CPP.linear(x[:rows], w))
+        _within_one_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
+    strided_w = w.t().contiguous().t()
+    for args in [(x, w, b), (x[:2, ::2], w[:, :32].contiguous(), b), (x[:1], strided_w, b),
+                 (x[:1].float(), w.float(), b.float())]:
+        assert _took_torch(lambda: CPP.linear(*args))
+    assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))  # past the threshold: oneDNN
+    assert torch.equal(CPP.linear(x[:1], strided_w, b), F.linear(x[:1], strided_w, b))
+    assert not _took_torch(lambda: CppLayerOps(gemv_max_rows=GEMV_MAX_ROWS + 1).linear(x, w, b))
+
+
+def test_linear_falls_back_to_torch_for_other_dtypes():
+    for dtype in (torch.float32, torch.float16):
+        x, w, b = (t.to(dtype) for t in _data(1, 40, 24, seed=7))
+        assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))
+        assert CPP.linear(x, w, b).dtype == dtype
