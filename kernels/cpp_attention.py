@@ -50,10 +50,13 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CppAttentionMetadata,
                 scale: float) -> torch.Tensor:
         require_cpu(query, k_cache)
-        out = torch.empty_like(query)
         bf16 = self._use_bf16(query)
         if (dec := meta.decodes) is not None:
             kernel = self._ext.paged_decode_attention_bf16 if bf16 else self._ext.paged_decode_attention
+            if meta.chunks is None:  # every row is a decode, in order: no gather, no scatter
+                return kernel(query.contiguous(), k_cache, v_cache, dec.block_tables, dec.context_lens, scale)
+        out = torch.empty_like(query)
+        if dec is not None:
             out[dec.tokens] = kernel(query[dec.tokens], k_cache, v_cache, dec.block_tables, dec.context_lens, scale)
         if (ch := meta.chunks) is not None:
             if bf16:
