@@ -64,9 +64,13 @@ def run_from_offline(result: RunResult, family: str, workload: str, prompt_token
 def run_from_results(system: str, family: str, workload: str, summary: dict[str, Any],
                      results: Sequence[RequestResult], cap: int | None = None, qps: float | None = None,
                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A record for a timed run (HTTP or the in-process engine), keeping per-request TTFT and e2e."""
+    """A record for a timed run (HTTP or the in-process engine), keeping per-request TTFT and e2e. TTFT only
+    when tokens were timed one by one (streamed): a whole answer arrives at once, so its "first token" time
+    is its latency and its TPOT zero, which the reports and rooflines must not read as a decode rate."""
     ok = [r for r in results if r.success]
-    samples = {"ttft": [r.ttft for r in ok if r.ttft is not None], "e2el": [r.latency for r in ok]}
+    streamed = any(len(r.token_times) > 1 for r in ok)
+    samples = {"ttft": [r.ttft for r in ok if r.ttft is not None] if streamed else [],
+               "e2el": [r.latency for r in ok]}
     return {"system": system, "family": family, "workload": workload, "cap": cap, "qps": qps,
             "metrics": summary, "samples": samples, "extra": dict(extra or {})}
 

@@ -99,3 +99,22 @@ def test_lengths_come_from_requests_or_from_the_requests_that_succeeded() -> Non
     results = [RequestResult(success=True, prompt_tokens=3, output_tokens=5),
                RequestResult(success=False, prompt_tokens=9, output_tokens=2)]
     assert lengths_of_results(results) == [(3, 5)]
+
+
+def test_whole_answers_leave_no_decode_rate_for_the_rooflines() -> None:
+    """A non-streamed answer arrives at once: its TTFT is its latency and its TPOT ~0, not a decode rate."""
+    from loadtest.metrics import summarize
+    from loadtest.report import run_from_results
+
+    def answered(streamed: bool) -> RequestResult:
+        r = RequestResult(success=True, prompt_tokens=3, output_tokens=4, latency=0.401)  # read just after
+        for t in (0.1, 0.2, 0.3, 0.4) if streamed else (0.4,):
+            r.record_arrival(t)
+        return r
+
+    rooflines = RunRooflines(SHAPE, ceilings())
+    for streamed in (True, False):
+        results = [answered(streamed), answered(streamed)]
+        run = run_from_results("server", "server", "burst", summarize(results, 1.0), results)
+        decode = rooflines.annotate(run, LENGTHS)["roofline"]["decode_tok_s"]
+        assert (decode == pytest.approx(10.0, rel=0.01)) if streamed else decode is None
