@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 
-GEMV_MAX_ROWS = 8  # the GEMV streams the weights ~2x faster than F.linear at 1-8 rows; prefill steps take oneDNN
+# Every linear layer of SmolLM2-135M at once, 2 threads, best of 5 (docs/benchmarks.md): the GEMV takes 0.49x
+# F.linear's time at 1 row, 0.42x at 8, 0.61x at 16, 0.62x at 24 and 0.91x at 32; prefill steps take oneDNN.
+GEMV_MAX_ROWS = 24
 
 
 class TorchLayerOps:

@@ -56,7 +56,7 @@ def _within_one_step(y: torch.Tensor, x, w, b) -> None:
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_matches_a_float64_reference(n, k, bias):
-    for m in (1, 2, 3, 4, 5, 8):
+    for m in (1, 2, 3, 4, 5, 8, 13, GEMV_MAX_ROWS):
         x, w, b = _data(m, n, k, seed=n * k + m)
         b = b if bias else None
         y = CPP._gemv(x, w, b)
@@ -70,7 +70,7 @@ def test_matches_a_float64_reference(n, k, bias):
 def test_exact_where_float32_sums_are_exact(n, k):
     """Integers up to 8 in magnitude: every product and partial sum is an integer below 2**24, so any
     order of float32 sums is exact, and the one rounding to bfloat16 must match the reference's."""
-    for m in range(1, 9):
+    for m in (*range(1, 9), 13, GEMV_MAX_ROWS):
         x, w, b = _data(m, n, k, seed=m, integers=True)
         assert torch.equal(CPP._gemv(x, w, b), _reference(x, w, b))
         assert torch.equal(CPP._gemv(x, w), _reference(x, w, None))
