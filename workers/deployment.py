@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from ray import serve
@@ -85,12 +86,16 @@ class EngineWorker:
         except Exception:  # constructed outside Serve (unit tests)
             self.replica_id = "local"
         self.admission = AdmissionPolicy(max_waiting_requests, engine_config.max_num_seqs)
-        self.engine = Engine(engine_config)
         self.metrics = EngineMetrics(self.replica_id)
         self._subscribers: dict[str, _Subscriber] = {}
         self._in_flight: dict[str, _InFlight] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self.role, self.kv_lease_s, self.kv_fetch_delay_s = role, kv_lease_s, kv_fetch_delay_s
+        self._sender = self._receiver = None
+        # the engine is built on the loop's thread, the one that runs its every step (see workers/engine_loop.py)
+        self.loop = EngineLoop(partial(Engine, engine_config), self._on_step)
+        self.loop.start()
+        self.engine = self.loop.engine
         self.layout = KVLayout.of(self.engine.runner.kv_cache, self.engine.model_path)
         device = self.engine.runner.kv_cache.device
         self.transport = resolve_transport(kv_transport, device)
@@ -101,8 +106,6 @@ class EngineWorker:
         self._stop_flag = serve_stop_flag()
         self._drain_watch: asyncio.Task | None = None
         self._drained = False  # stopping, and nothing runs here any more
-        self.loop = EngineLoop(self.engine, self._on_step)
-        self.loop.start()
         self._startup.engine_ready = time.time()
 
     # ---- called by the ingress -----------------------------------------------------------------
