@@ -59,9 +59,12 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch threads for the engine (split among tensor-parallel ranks); "
                                          "default: all cores.")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
+    stream_interval: int = _opt(1, "Streamed requests: send a request's first token at once, then its new tokens "
+                                   "every this many (and the rest with its end); fewer, larger chunks cost the "
+                                   "HTTP path less per token.")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -102,7 +102,7 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             self.max_model_len),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer, config.stream_interval)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(hf_config, "eos_token_id", None)
         self.vocab_size = hf_config.vocab_size

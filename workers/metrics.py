@@ -93,8 +93,10 @@ class EngineMetrics:
             if not any(c.token_ids for c in out.outputs):
                 continue
             prev = self._last_token_time.get(out.request_id)
-            if prev is not None:
-                self.itl.observe(now - prev)
+            if prev is not None:  # an output may carry several steps' tokens (stream_interval): one gap each
+                steps = max(len(c.token_ids) for c in out.outputs)
+                for _ in range(steps):
+                    self.itl.observe((now - prev) / steps)
             self._last_token_time[out.request_id] = now
             if out.finished:
                 self._last_token_time.pop(out.request_id, None)

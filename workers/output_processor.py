@@ -59,8 +59,9 @@ class _Group:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self.prompt_tokens = 0
@@ -143,9 +144,19 @@ class OutputProcessor:
                 del self._groups[group.request_id]
                 for s in group.seqs:
                     self._seq_of.pop(s.request.request_id, None)
-            if group.finished or group.output_kind is not OutputKind.FINAL_ONLY:
+            if group.finished or self._due(group):
                 outputs.append(self._make_output(group))
         return outputs, stopped
+
+    def _due(self, group: _Group) -> bool:
+        """Whether an unfinished request reports this step: cumulative ones every step; delta ones on their
+        first token, then once `stream_interval` new tokens wait (the rest go with the final output)."""
+        if group.output_kind is OutputKind.CUMULATIVE:
+            return True
+        if group.output_kind is OutputKind.FINAL_ONLY:
+            return False
+        return any(s.sent_tokens == 0 or s.request.num_output_tokens - s.sent_tokens >= self.stream_interval
+                   for s in group.seqs)
 
     def _update(self, req: Request, seq: _Sequence, token: int) -> bool:
         """Detokenize the new token and set the finish reason; True if the sequence finished. A token-level

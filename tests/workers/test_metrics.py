@@ -3,6 +3,8 @@ disconnected or failed request would otherwise leave an entry behind (the soak's
 
 from __future__ import annotations
 
+import pytest
+
 from workers.engine import EngineStats
 from workers.metrics import EngineMetrics
 from workers.outputs import CompletionOutput, RequestOutput
@@ -44,3 +46,11 @@ def test_failed_requests_are_forgotten_and_itl_still_recorded() -> None:
     m.observe_step(IDLE, [_token("ok")], 1.25)
     assert m._last_token_time == {"ok": 1.25}
     assert m.itl._sum.get() == 0.25
+
+
+def test_an_output_of_several_steps_counts_one_inter_token_gap_per_step() -> None:
+    """With `stream_interval` an output carries several steps' tokens: ITL stays per token."""
+    m = EngineMetrics("r0")
+    m.observe_step(IDLE, [_token("s")], 1.0)
+    m.observe_step(IDLE, [RequestOutput("s", None, [], [CompletionOutput(0, "abcd", [7, 8, 9, 10])], False)], 1.4)
+    assert m.itl._sum.get() == pytest.approx(0.4) and sum(b.get() for b in m.itl._buckets) == 4

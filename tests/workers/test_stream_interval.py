@@ -1,0 +1,62 @@
+"""`stream_interval`: a streamed (delta) request reports its first token at once, then its new tokens every
+`stream_interval` of them, and whatever is left with its end; the tokens and text are those of
+`stream_interval=1`. Other output kinds are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
+
+PROMPTS = {"a": [1, 5, 9, 200, 3000, 7], "b": list(range(100, 140))}
+
+
+def _run(tiny_model_dir: str, interval: int, kind: OutputKind = OutputKind.DELTA, n: int = 1,
+         max_tokens: int = 10) -> dict[str, list]:
+    engine = Engine(model=tiny_model_dir, dtype="float32", num_kv_blocks=64, num_threads=1, stream_interval=interval)
+    for rid, prompt in PROMPTS.items():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, n=n)
+        engine.add_request(rid, None, params, prompt_token_ids=prompt, output_kind=kind)
+    outputs: dict[str, list] = {rid: [] for rid in PROMPTS}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.get_stats().kv_cache_usage == 0
+    return outputs
+
+
+@pytest.mark.parametrize("interval", [3, 4, 20])
+def test_deltas_come_every_interval_tokens_and_add_up_to_the_same_completion(tiny_model_dir, interval):
+    each = _run(tiny_model_dir, 1)
+    grouped = _run(tiny_model_dir, interval)
+    for rid in PROMPTS:
+        sizes = [len(o.outputs[0].token_ids) for o in grouped[rid]]
+        rest = (10 - 1) % interval
+        assert sizes == [1] + [interval] * ((10 - 1) // interval) + ([rest] if rest else [])
+        assert [o.finished for o in grouped[rid]] == [False] * (len(sizes) - 1) + [True]
+        assert len(each[rid]) == 10
+        for outs in (each[rid], grouped[rid]):
+            assert [t for o in outs for t in o.outputs[0].token_ids] == [t for o in each[rid] for t in o.outputs[0].token_ids]
+            assert "".join(o.outputs[0].text for o in outs) == "".join(o.outputs[0].text for o in each[rid])
+
+def test_every_sequence_of_a_group_keeps_its_tokens(tiny_model_dir):
+    each, grouped = _run(tiny_model_dir, 1, n=2), _run(tiny_model_dir, 4, n=2)
+    for rid in PROMPTS:
+        for i in range(2):
+            tokens = [[t for o in outs for t in o.outputs[i].token_ids] for outs in (each[rid], grouped[rid])]
+            assert tokens[0] == tokens[1] and len(tokens[0]) == 10
+        assert len(grouped[rid]) <= 5 < len(each[rid])  # each sequence's first token at once, then 4 at a time
+
+
+def test_cumulative_and_final_outputs_ignore_the_interval(tiny_model_dir):
+    assert [len(v) for v in _run(tiny_model_dir, 4, OutputKind.CUMULATIVE).values()] == [10, 10]
+    assert [len(v) for v in _run(tiny_model_dir, 4, OutputKind.FINAL_ONLY).values()] == [1, 1]
+
+
+def test_the_interval_must_be_a_positive_integer():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            EngineConfig(stream_interval=bad)
