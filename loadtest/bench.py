@@ -210,6 +210,9 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="(re)draw the PNG plots of result files")
     p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--together", type=Path, default=None, metavar="STEM",
+                   help="draw the runs of all the files (one workload) in one plot, written as STEM-*.png")
+    p.add_argument("--labels", default=None, help="with --together: a comma-separated name per file for its runs")
 
     recovery.add_parser(sub, _key_value)
     structured.add_parser(sub)

@@ -65,7 +65,7 @@ def plot_burst(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str) -> list
 
 
 def _run_label(run: dict[str, Any]) -> str:
-    return run.get("policy") or SYSTEM_LABELS.get(run["family"], run["system"])
+    return run.get("label") or run.get("policy") or SYSTEM_LABELS.get(run["family"], run["system"])
 
 
 def plot_latency_cdfs(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str, title: str) -> list[Path]:
@@ -85,7 +85,7 @@ def plot_latency_cdfs(runs: Sequence[dict[str, Any]], out_dir: Path, stem: str, 
                 values = np.sort(np.asarray(run["samples"].get(key) or [np.nan], dtype=float))
                 ax = axes[row][col]
                 ax.plot(values, np.arange(1, values.size + 1) / values.size, label=_run_label(run),
-                        color=COLORS.get(run["family"]) if not run.get("policy") else None)
+                        color=None if run.get("policy") or run.get("label") else COLORS.get(run["family"]))
         for row, name in enumerate(("time to first token (s)", "end-to-end latency (s)")):
             ax = axes[row][col]
             ax.set_xlabel(name)

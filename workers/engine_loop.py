@@ -10,8 +10,8 @@ every parallel CPU kernel of the process, from the weight loading and warm-up on
 worker threads for each thread that ever opened a parallel region; once the process holds more of them than
 it has CPUs, the workers stop spinning between regions and sleep at once, and a decode step, which opens
 some 150 short regions, pays a futex wake-up for each. A replica that built its engine on the constructing
-thread and stepped it on this one measured 37.7 decode tok/s at one stream on a 2-core host, and 52.8 when
-both were this thread (docs/benchmarks.md)."""
+thread and stepped it on this one served one stream at 39.1 decode tok/s on a 2-core host, and at 55.5 when
+both were this thread (three interleaved runs each, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Arrivals:
 class EngineLoop:
     def __init__(self, engine: Engine | Callable[[], Engine], publish: Publish) -> None:
         self._factory = None if isinstance(engine, Engine) else engine
-        self.engine: Engine = engine if self._factory is None else None
+        self.engine: Engine | None = engine if self._factory is None else None  # with a factory: once started
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._publish = publish

@@ -155,8 +155,11 @@ class OutputProcessor:
             return True
         if group.output_kind is OutputKind.FINAL_ONLY:
             return False
-        return any(s.sent_tokens == 0 or s.request.num_output_tokens - s.sent_tokens >= self.stream_interval
-                   for s in group.seqs)
+        for s in group.seqs:
+            unsent = s.request.num_output_tokens - s.sent_tokens
+            if unsent >= self.stream_interval or (unsent and not s.sent_tokens):
+                return True
+        return False
 
     def _update(self, req: Request, seq: _Sequence, token: int) -> bool:
         """Detokenize the new token and set the finish reason; True if the sequence finished. A token-level

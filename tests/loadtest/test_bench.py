@@ -344,3 +344,21 @@ def test_roofline_table_and_compare_print_each_runs_fraction() -> None:
     by = _cells(report.compare_table([("old", old), ("new", new)]))
     assert by[("QPS 4", "server (new)")][10] == "0.42 (memory)" and by[("QPS 4", "engine (old)")][10] == "-"
     assert report.roofline_tables(old) == []
+
+
+def test_plot_together_draws_the_runs_of_several_files_in_one_figure(tmp_path: Path, capsys) -> None:
+    files = []
+    for name, tok_s in (("a", 100.0), ("b", 80.0)):
+        payload = {"format": report.FORMAT, "workload": "poisson",
+                   "runs": [run_record("server", "server", tok_s, cap=None, qps=4.0, e2e_ms=2000.0)]}
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(payload))
+    stem = tmp_path / "both"
+    assert bench.main(["plot", "--together", str(stem), "--labels", "vLLM,kvrelay", *map(str, files)]) == 0
+    assert (tmp_path / "both-cdf.png").stat().st_size > 0
+    assert bench.main(["plot", "--together", str(stem), "--labels", "only-one", *map(str, files)]) == 2
+    assert "--labels names 1 files, and 2 were given" in capsys.readouterr().err
+    burst = tmp_path / "burst.json"
+    burst.write_text(json.dumps({"format": report.FORMAT, "workload": "burst", "runs": [run_record("e", "engine", 1.0)]}))
+    assert bench.main(["plot", "--together", str(stem), str(files[0]), str(burst)]) == 2
+    assert "one workload" in capsys.readouterr().err
