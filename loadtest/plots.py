@@ -113,3 +113,16 @@ def plot_payload(payload: dict[str, Any], json_path: Path) -> list[Path]:
              "policies": "poisson: latency CDFs per scheduling policy"}.get(payload["workload"], payload["workload"])
     paths += plot_latency_cdfs(runs, out_dir, stem, title)
     return paths
+
+
+def plot_together(payloads: Sequence[dict[str, Any]], labels: Sequence[str] | None, stem: Path) -> list[Path]:
+    """The runs of several result files of one workload in one figure, `{stem}-*.png`; `labels` names each
+    file's runs in the legend."""
+    workloads = sorted({p["workload"] for p in payloads})
+    if len(workloads) != 1:
+        raise ValueError(f"--together draws one workload, and these files hold {', '.join(workloads)}")
+    if labels is not None and len(labels) != len(payloads):
+        raise ValueError(f"--labels names {len(labels)} files, and {len(payloads)} were given")
+    runs = [{**run, "label": label} if label else run
+            for p, label in zip(payloads, labels or [None] * len(payloads)) for run in p["runs"]]
+    return plot_payload({**payloads[0], "runs": runs}, stem.with_suffix(".json"))

@@ -458,24 +458,16 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from loadtest.plots import plot_payload
+    from loadtest.plots import plot_payload, plot_together
 
-    if args.together is None:
-        if args.labels is not None:
-            raise ValueError("--labels names the files of --together; give --together STEM too")
-        for f in args.files:
-            for png in plot_payload(report.load_payload(f), f):
-                print(f"wrote {png}")
-        return 0
-    payloads = [report.load_payload(f) for f in args.files]
-    workloads = sorted({p["workload"] for p in payloads})
-    if len(workloads) != 1:
-        raise ValueError(f"--together draws one workload, and these files hold {', '.join(workloads)}")
-    labels = args.labels.split(",") if args.labels is not None else [None] * len(payloads)
-    if len(labels) != len(payloads):
-        raise ValueError(f"--labels names {len(labels)} files, and {len(payloads)} were given")
-    runs = [{**run, "label": label} if label else run for p, label in zip(payloads, labels) for run in p["runs"]]
-    for png in plot_payload({**payloads[0], "runs": runs}, args.together.with_suffix(".json")):
+    if args.together is not None:
+        labels = args.labels.split(",") if args.labels is not None else None
+        pngs = plot_together([report.load_payload(f) for f in args.files], labels, args.together)
+    elif args.labels is not None:
+        raise ValueError("--labels names the files of --together; give --together STEM too")
+    else:
+        pngs = [png for f in args.files for png in plot_payload(report.load_payload(f), f)]
+    for png in pngs:
         print(f"wrote {png}")
     return 0
 

@@ -45,10 +45,11 @@ async def awaited(response):
 
 
 class EngineError(Exception):
-    """A request could not be served; `status` is the HTTP status to answer with, `retry_after` the
-    seconds a busy replica asks the client to wait before retrying."""
+    """A request could not be served; `status` is the HTTP status to answer with (`type` None: the one
+    `serving/errors.py` names for it), `retry_after` the seconds a busy replica asks the client to wait
+    before retrying."""
 
-    def __init__(self, message: str, status: int = 503, type: str = "service_unavailable",
+    def __init__(self, message: str, status: int = 503, type: str | None = "service_unavailable",
                  retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.retry_after = message, status, type, retry_after
@@ -210,7 +211,7 @@ class EngineClient:
         for rid, error in batch.errors.items():
             queue = self._queues.get(rid)
             if queue is not None:
-                queue.put_nowait(EngineError(error.message, error.status, error.type))
+                queue.put_nowait(EngineError(error.message, error.status, None))
 
     def _request_done(self, sub: _Subscription, request_id: str) -> None:
         sub.requests.discard(request_id)

@@ -5,8 +5,8 @@ between steps, and receive each step's outputs (and engine errors) through one `
 so the cost of crossing threads is paid per step, not per token. A request that the engine refuses or
 that breaks a step fails alone, with its error published; the loop and the other requests go on.
 
-Given a factory instead of an engine, the loop builds the engine on its own thread, so that one thread runs
-every parallel CPU kernel of the process, from the weight loading and warm-up on. libgomp keeps a pool of
+The loop builds its engine, from a factory, on its own thread, so that one thread runs every parallel CPU
+kernel of the process, from the weight loading and warm-up on. libgomp keeps a pool of
 worker threads for each thread that ever opened a parallel region; once the process holds more of them than
 it has CPUs, the workers stop spinning between regions and sleep at once, and a decode step, which opens
 some 150 short regions, pays a futex wake-up for each. A replica that built its engine on the constructing
@@ -48,9 +48,9 @@ class Arrivals:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine | Callable[[], Engine], publish: Publish) -> None:
-        self._factory = None if isinstance(engine, Engine) else engine
-        self.engine: Engine | None = engine if self._factory is None else None  # with a factory: once started
+    def __init__(self, build: Callable[[], Engine], publish: Publish) -> None:
+        self._build = build
+        self.engine: Engine | None = None  # built by `start`
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._publish = publish
@@ -61,19 +61,18 @@ class EngineLoop:
         self._releases: list[str] = []
         self._stopped = False
         self.consecutive_failed_steps = 0  # read by the replica's health check
-        self.stats: EngineStats | None = None if self.engine is None else self.engine.get_stats()
+        self.stats: EngineStats | None = None  # the last step's, from `start` on
         self._queued = 0  # requests in the inbox, not yet in the engine
         self._arrived = Arrivals()  # in the inbox
         self._draining = Arrivals()  # taken from the inbox, not yet in `stats`
         self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
 
     def start(self) -> None:
-        """Start the loop; with a factory, return once the engine is built (raising what building raised)."""
+        """Start the loop; returns once the engine is built (raising what building raised)."""
         self._thread.start()
-        if self._factory is not None:
-            self._built.wait()
-            if self._build_error is not None:
-                raise self._build_error
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -141,15 +140,14 @@ class EngineLoop:
         return errors
 
     def _run(self) -> None:
-        if self._factory is not None:
-            try:
-                self.engine = self._factory()
-                self.stats = self.engine.get_stats()
-            except BaseException as e:
-                self._build_error = e
-                return
-            finally:
-                self._built.set()
+        try:
+            self.engine = self._build()
+            self.stats = self.engine.get_stats()
+        except BaseException as e:
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
         torch.set_num_threads(self.engine.config.num_threads)  # for this thread, which runs every forward pass
         while not self._stopped:
             errors = self._drain_inbox()

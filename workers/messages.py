@@ -48,10 +48,6 @@ class RequestError:
     message: str
     status: int = 400
 
-    @property
-    def type(self) -> str:
-        return "invalid_request_error" if self.status < 500 else "internal_error"
-
 
 @dataclass(slots=True)
 class StepBatch:

@@ -148,7 +148,7 @@ def test_engine_loop_publishes_the_error_and_serves_the_others(engine, alone, mo
         if not engine.has_unfinished_requests():
             done.set()
 
-    loop = EngineLoop(engine, publish)
+    loop = EngineLoop(lambda: engine, publish)
     for rid, prompt in [*PROMPTS.items(), ("bad", [1, 2, 3])]:
         loop.add(GenerateRequest(rid, prompt, GREEDY))
     loop.start()
