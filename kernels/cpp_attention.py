@@ -37,7 +37,7 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
         self._bf16 = self._ext.has_avx512_bf16()
 
     def _use_bf16(self, query: torch.Tensor) -> bool:
-        return self._bf16 and query.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0
+        return self._bf16 and query.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0 and query.shape[-1] <= 256
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
         return CppAttentionMetadata(common.slot_mapping, *split_step(common))

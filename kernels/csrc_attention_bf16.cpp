@@ -7,7 +7,8 @@
 //   cached context). One task per (request, KV head): its keys are gathered once into a pair-transposed
 //   tile, so a query row's scores for 16 positions come from D/2 vector instructions with no horizontal
 //   sums, and the values into position-pair rows for the same reason.
-// - `paged_decode_attention_bf16`: single-token queries straight from the cache, one task per request.
+// - `paged_decode_attention_bf16`: single-token queries straight from the cache, one task per request, in
+//   16-position tiles with the next tile prefetched as the current one computes (see `decode_request`).
 //
 // `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
 #include <torch/extension.h>
@@ -32,7 +33,6 @@ namespace {
 
 using kvrelay_simd::exp512;
 using kvrelay_simd::float_to_bf16;
-using kvrelay_simd::load_bf16x16;
 
 constexpr int64_t kRows = 4;  // query rows that share each K/V load
 
@@ -194,78 +194,158 @@ void paged_prefill_attention_bf16_(torch::Tensor out, torch::Tensor q, torch::Te
   });
 }
 
-// q: [requests, heads, head_dim] -> out of the same shape.
+namespace {
+
+// Prefetches part `part` of `parts` of the cache lines of a tile's rows (element offsets `rows`, `count`
+// of them, `row_bytes` each). Issued a few lines at a time between the current tile's heads: a burst of
+// a whole tile's ~100 prefetches fills the core's miss queue and stalls it, while spread out they keep
+// memory busy as the current tile computes.
+inline void prefetch_part(const uint16_t* cache, const int64_t* rows, int64_t count, int64_t row_bytes, int64_t part,
+                          int64_t parts) {
+  const int64_t per_row = row_bytes / 64, lines = count * per_row;
+  for (int64_t l = part * lines / parts, e = (part + 1) * lines / parts; l < e; ++l)
+    _mm_prefetch(reinterpret_cast<const char*>(cache + rows[l / per_row]) + (l % per_row) * 64, _MM_HINT_T0);
+}
+
+struct DecodeScratch {
+  std::vector<int64_t> rows;     // element offset of each position's K/V row (all KV heads)
+  std::vector<float> scores;     // [heads, positions padded to 16]
+  std::vector<uint32_t> probs;   // [heads, position pairs]: bfloat16 softmax numerators, two to a word
+  std::vector<float> inv_sum;    // [heads]
+  std::vector<__m512> acc;       // [heads, 2 * DC]: P.V sums in unpack order (see below)
+  std::vector<__m512i> vpairs;   // [8 position pairs, KV heads, DC, lo/hi]
+};
+
+// One request's single query: DC = head_dim / 32. Positions go in tiles of 16. Pass 1 scores a tile for
+// every query head (K rows from L1 after the first head of their KV head). Pass 2 interleaves a tile's V
+// rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
+// positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
+template <int DC>
+void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t ctx, const int64_t* table, int64_t H,
+                    float scale, DecodeScratch& s) {
+  constexpr int64_t D = DC * 32;
+  const int64_t KVH = pg.kv_heads, G = H / KVH, row_bytes = KVH * D * 2;
+  const int64_t tiles = (ctx + 15) / 16, n = tiles * 16, npairs = n / 2;
+  s.rows.resize(n);
+  for (int64_t p = 0; p < n; ++p) s.rows[p] = pg.offset(table, std::min(p, ctx - 1));  // past ctx: a valid row, masked
+  s.scores.resize(H * n);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t* rows = s.rows.data() + t * 16;
+    const bool last = t + 1 == tiles;  // then fetch the first V tile
+    for (int64_t h = 0; h < H; ++h) {
+      prefetch_part(last ? pg.v : pg.k, last ? s.rows.data() : rows + 16, 16, row_bytes, h, H);
+      const int64_t j = h / G;
+      __m512bh qv[DC];
+      for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + h * D + 32 * c));
+      __m512 dots[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint16_t* kr = pg.k + rows[i] + j * D;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kr)));
+        for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
+        dots[i] = a;
+      }
+      _mm512_storeu_ps(s.scores.data() + h * n + t * 16, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+    }
+  }
+  s.probs.resize(H * npairs);
+  s.inv_sum.resize(H);
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = s.scores.data() + h * n;
+    s.inv_sum[h] = 1.f / exp_row(sh, ctx, n);  // zero past ctx
+    uint32_t* ph = s.probs.data() + h * npairs;
+    for (int64_t p2 = 0; p2 < npairs; ++p2)
+      ph[p2] = static_cast<uint32_t>(float_to_bf16(sh[2 * p2])) | (static_cast<uint32_t>(float_to_bf16(sh[2 * p2 + 1])) << 16);
+  }
+  s.acc.assign(H * 2 * DC, _mm512_setzero_ps());
+  s.vpairs.resize(8 * KVH * DC * 2);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t* rows = s.rows.data() + t * 16;
+    const int64_t count = std::min<int64_t>(16, ctx - t * 16), pairs = (count + 1) / 2;
+    for (int64_t p2 = 0; p2 < pairs; ++p2) {
+      const uint16_t* r0 = pg.v + rows[2 * p2];
+      const uint16_t* r1 = 2 * p2 + 1 < count ? pg.v + rows[2 * p2 + 1] : nullptr;  // an odd tail pairs with zeros
+      for (int64_t j = 0; j < KVH; ++j)
+        for (int c = 0; c < DC; ++c) {
+          const __m512i a = _mm512_loadu_si512(r0 + j * D + 32 * c);
+          const __m512i b = r1 ? _mm512_loadu_si512(r1 + j * D + 32 * c) : _mm512_setzero_si512();
+          __m512i* dst = s.vpairs.data() + ((p2 * KVH + j) * DC + c) * 2;
+          dst[0] = _mm512_unpacklo_epi16(a, b);
+          dst[1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      if (t + 1 < tiles) prefetch_part(pg.v, rows + 16, 16, row_bytes, h, H);
+      const int64_t j = h / G;
+      __m512* acc = s.acc.data() + h * 2 * DC;
+      __m512 a[2 * DC];
+      for (int c = 0; c < 2 * DC; ++c) a[c] = acc[c];
+      const uint32_t* ph = s.probs.data() + h * npairs + t * 8;
+      for (int64_t p2 = 0; p2 < pairs; ++p2) {
+        const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(ph[p2])));
+        const __m512i* v = s.vpairs.data() + (p2 * KVH + j) * DC * 2;
+        for (int c = 0; c < 2 * DC; ++c) a[c] = _mm512_dpbf16_ps(a[c], w, as_bh(v[c]));
+      }
+      for (int c = 0; c < 2 * DC; ++c) acc[c] = a[c];
+    }
+  }
+  // Unpack order: within 128-bit lane k of chunk c, lo holds d = 32c + 8k + {0..3} and hi d = 32c + 8k + {4..7}.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < H; ++h) {
+    const __m512 inv = _mm512_set1_ps(s.inv_sum[h]);
+    const __m512* acc = s.acc.data() + h * 2 * DC;
+    for (int c = 0; c < DC; ++c) {
+      uint16_t* o = out + h * D + 32 * c;
+      const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], first, acc[2 * c + 1]), inv);
+      const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], second, acc[2 * c + 1]), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+    }
+  }
+}
+
+template <int DC>
+void decode_all(const Paged& pg, const uint16_t* q, uint16_t* out, const int64_t* context_lens, int64_t B, int64_t H,
+                float scale) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    DecodeScratch scratch;
+    for (int64_t b = begin; b < end; ++b)
+      decode_request<DC>(pg, q + b * H * DC * 32, out + b * H * DC * 32, context_lens[b], pg.tables + b * pg.table_width, H,
+                         scale, scratch);
+  });
+}
+
+}  // namespace
+
+// q: [requests, heads, head_dim] -> out of the same shape; head_dim a multiple of 32, at most 256.
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "bfloat16 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   q = q.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), G = H / KVH;
-  TORCH_CHECK(D % 32 == 0, "head_dim must be a multiple of 32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
+  TORCH_CHECK(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
+  TORCH_CHECK(H % KVH == 0, "query heads must be a multiple of KV heads");
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cl[b] >= 1, "every decode needs at least one cached position");
   auto out = torch::empty_like(q);
   const Paged pg{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
                  block_tables.data_ptr<int64_t>(), block_tables.size(1), k_cache.size(1), KVH, D};
-  const int64_t* cl = context_lens.data_ptr<int64_t>();
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D);
-    std::vector<float> inv_sum(H);
-    std::vector<int64_t> rows;  // element offset of each position's K/V row (all KV heads) in the caches
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t ctx = cl[b];
-      const int64_t n = (ctx + 15) / 16 * 16;
-      const int64_t* table = pg.tables + b * pg.table_width;
-      rows.resize(n);
-      for (int64_t p = 0; p < n; ++p) rows[p] = pg.offset(table, std::min(p, ctx - 1));  // past ctx: any valid row, masked
-      scores.assign(H * n, 0.f);
-      for (int64_t j = 0; j < KVH; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = j * G + g;
-          const uint16_t* qr = qp + (b * H + h) * D;
-          for (int64_t p0 = 0; p0 < ctx; p0 += 16) {
-            __m512 acc[16];
-            if (g == 0 && p0 + 16 < n)  // the blocks are scattered: fetch the next 16 rows ahead
-              for (int64_t i = 0; i < 16; ++i)
-                for (int64_t d = 0; d < D; d += 32)
-                  _mm_prefetch(reinterpret_cast<const char*>(pg.k + rows[p0 + 16 + i] + j * D + d), _MM_HINT_T0);
-            for (int64_t i = 0; i < 16; ++i) {
-              const uint16_t* kr = pg.k + rows[p0 + i] + j * D;
-              __m512 a = _mm512_setzero_ps();
-              for (int64_t d = 0; d < D; d += 32)
-                a = _mm512_dpbf16_ps(a, as_bh(_mm512_loadu_si512(qr + d)), as_bh(_mm512_loadu_si512(kr + d)));
-              acc[i] = a;
-            }
-            _mm512_storeu_ps(scores.data() + h * n + p0, _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(fscale)));
-          }
-        }
-      for (int64_t h = 0; h < H; ++h) inv_sum[h] = 1.f / exp_row(scores.data() + h * n, ctx, n);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < ctx; ++p) {
-        if (p + 8 < ctx)
-          for (int64_t e = 0; e < KVH * D; e += 32) _mm_prefetch(reinterpret_cast<const char*>(pg.v + rows[p + 8] + e), _MM_HINT_T0);
-        for (int64_t j = 0; j < KVH; ++j) {
-          const uint16_t* vr = pg.v + rows[p] + j * D;
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512 v = load_bf16x16(vr + d);
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t h = j * G + g;
-              float* a = acc.data() + h * D + d;
-              _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * n + p]), v, _mm512_loadu_ps(a)));
-            }
-          }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; d += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + (b * H + h) * D + d),
-                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc.data() + h * D + d),
-                                                                                        _mm512_set1_ps(inv_sum[h])))));
-    }
-  });
+  switch (D / 32) {
+    case 1: decode_all<1>(pg, qp, op, cl, B, H, fscale); break;
+    case 2: decode_all<2>(pg, qp, op, cl, B, H, fscale); break;
+    case 3: decode_all<3>(pg, qp, op, cl, B, H, fscale); break;
+    case 4: decode_all<4>(pg, qp, op, cl, B, H, fscale); break;
+    case 5: decode_all<5>(pg, qp, op, cl, B, H, fscale); break;
+    case 6: decode_all<6>(pg, qp, op, cl, B, H, fscale); break;
+    case 7: decode_all<7>(pg, qp, op, cl, B, H, fscale); break;
+    default: decode_all<8>(pg, qp, op, cl, B, H, fscale); break;
+  }
   return out;
 }
 

@@ -150,7 +150,7 @@ LONG_BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (128, 128), (100, 30
 
 @needs_compiled_kernels
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4)])
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (32, 4, 4), (96, 6, 2), (256, 4, 1)])
 def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
     backend = get_attention_backend("cpp")
     if backend._bf16:  # the compiled bfloat16 kernels, not the torch fallback, are what runs here
@@ -159,6 +159,16 @@ def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
                              num_blocks=2000, backend="cpp")
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     assert (out.float() - expected).abs().mean() < 1e-3  # bfloat16 rounding of the output, no more
+
+
+@needs_compiled_kernels
+def test_bf16_kernels_take_head_dims_up_to_256():
+    """The decode kernel keeps a head's sums in registers (head_dim / 16 of them): past 256 the generic kernels
+    run instead, and still match."""
+    backend = get_attention_backend("cpp")
+    assert not backend._use_bf16(torch.zeros(1, 2, 288, dtype=torch.bfloat16))
+    out, expected = run_case(16, torch.bfloat16, [(1, 20), (5, 5)], heads=2, kv_heads=1, dim=288, backend="cpp")
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @needs_compiled_kernels

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from compiled_kernels import needs_compiled_kernels
 from loadtest import bench, report, runners, workloads
 from loadtest.workloads import burst_output_lens
 
@@ -161,6 +162,7 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
     (["policies", "--policies", "fcfs,lifo"], "unknown policies: lifo; choose from fcfs, priority, sjf, predicted"),
     (["single", "--offline", "--output-len", "0"], "--output-len must be >= 1"),
+    (["decode-attention", "--batch", "0"], "--batch, --context, --threads, --rounds and --repeats must be >= 1"),
 ])
 def test_bad_command_lines_fail_clearly(argv: list[str], needle: str, capsys) -> None:
     assert bench.main(argv) == 2
@@ -362,3 +364,23 @@ def test_plot_together_draws_the_runs_of_several_files_in_one_figure(tmp_path: P
     burst.write_text(json.dumps({"format": report.FORMAT, "workload": "burst", "runs": [run_record("e", "engine", 1.0)]}))
     assert bench.main(["plot", "--together", str(stem), str(files[0]), str(burst)]) == 2
     assert "one workload" in capsys.readouterr().err
+
+
+@needs_compiled_kernels
+def test_decode_attention_bench_reports_the_kernel_against_a_plain_read(tmp_path: Path, capsys) -> None:
+    from kernels.cpu_extension import load_extension
+
+    if not load_extension().has_avx512_bf16():
+        assert bench.main(["decode-attention", "--batch", "2"]) == 2
+        assert "AVX512-BF16" in capsys.readouterr().err
+        return
+    argv = ["decode-attention", "--batch", "4", "--context", "40", "--rounds", "1", "--repeats", "2", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert "of the read ceiling" in capsys.readouterr().out
+    (path,) = tmp_path.glob("decode-attention-*.json")
+    result = json.loads(path.read_text())
+    assert result["command"] == "kvrelay bench " + " ".join(argv)
+    assert result["kernel_gbs"] > 0 and result["read_gbs"] > 0 and len(result["kernel_ms"]) == 1
+    assert result["fraction_of_read"] == pytest.approx(result["kernel_gbs"] / result["read_gbs"], rel=0.01)
+    assert bench.main(["decode-attention", "--head-dim", "48"]) == 2
+    assert "head_dim 48" in capsys.readouterr().err
