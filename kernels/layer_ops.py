@@ -10,9 +10,12 @@ oneDNN reads them at a fraction of it. `get_layer_ops("auto")` picks the compile
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention import AttentionBackend, AttentionMetadata
 
 
 # Every linear layer of SmolLM2-135M at once, 2 threads, best of 5 (docs/benchmarks.md): the GEMV takes 0.49x
@@ -20,8 +23,30 @@ import torch.nn.functional as F
 GEMV_MAX_ROWS = 24
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeStack:
+    """A model's decoder layers as `decode_layers` takes them: per layer its qkv weight, qkv bias (an empty
+    tensor for none), o_proj, post-attention norm, gate_up, down, and the next input norm (the final norm
+    after the last layer); `caches` holds each layer's K and V cache."""
+
+    weights: list[torch.Tensor]
+    caches: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
 class TorchLayerOps:
     name = "torch"
+
+    def decode_layers(self, x: torch.Tensor, h: torch.Tensor, stack: DecodeStack,
+                      rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """Every layer of a decode-only step in one compiled call, where these ops have one: updates the
+        residual stream `x` in place and returns the last layer's output norm. None: run the layers one by
+        one."""
+        return None
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,6 +94,21 @@ class CppLayerOps(TorchLayerOps):
         self._ext = load_extension()
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None
         self.gemv_max_rows = gemv_max_rows
+
+    def decode_layers(self, x, h, stack, rope, attn, meta):
+        """A decode-only step of at most `gemv_max_rows` bfloat16 rows through the compiled attention: the
+        same kernels in the same order as the layer loop (so the same numbers), with the Python between
+        them run once per step instead of once per op (`kernels/csrc_decode_layers.cpp`)."""
+        from kernels.cpp_attention import CppAttentionMetadata
+
+        if (self._gemv is None or x.dtype != torch.bfloat16 or x.shape[0] > self.gemv_max_rows
+                or not isinstance(meta, CppAttentionMetadata) or meta.chunks is not None or meta.decodes is None
+                or stack.head_dim % 32 or stack.head_dim > 256):
+            return None
+        dec = meta.decodes
+        return self._ext.decode_layers_bf16(x, h, stack.weights, stack.caches, *rope, meta.slot_mapping,
+                                            dec.block_tables, dec.context_lens, stack.num_heads, stack.num_kv_heads,
+                                            stack.eps, stack.head_dim ** -0.5)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.layer_ops import TorchLayerOps
+from kernels.layer_ops import DecodeStack, TorchLayerOps
 from workers.tensor_parallel import Partition, TPShard, partition
 
 
@@ -154,11 +154,30 @@ class LlamaForCausalLM(nn.Module):
         rope = (self.cos_table, self.sin_table, positions)
         x = self._embed(input_ids)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
-            x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
+        fused = None
+        if self.tp.size == 1 and logits_indices.numel() == x.shape[0]:  # every row samples: a decode step
+            fused = ops.decode_layers(x, h, self._decode_stack(kv_caches), rope, attn, meta)
+        if fused is not None:
+            h = fused
+        else:
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+                x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
+                x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.tp.gather_last_dim(ops.linear(h, head), self.args.vocab_size)
+
+    def _decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStack:
+        """The layers' weights and caches for `ops.decode_layers`, gathered per step (a few microseconds), so
+        that they are never stale after the model moves or reloads."""
+        empty = self.norm.new_empty(0)
+        weights: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            after = self.norm if i == len(self.layers) - 1 else self.layers[i + 1].input_norm
+            weights += [layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o_proj, layer.post_norm,
+                        layer.gate_up, layer.down, after]
+        first = self.layers[0]
+        return DecodeStack(weights, [c for kv in kv_caches for c in kv], first.num_heads, first.num_kv_heads,
+                           first.head_dim, first.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings; a rank looks up the ids in its vocabulary range, zeros elsewhere, then all ranks sum."""

@@ -1,0 +1,58 @@
+// Every decoder layer of a decode-only step of a few bfloat16 rows in one call: the same kernels, in the same
+// order and with the same roundings, as the Python layer loop of `workers/models/llama.py` with the compiled
+// ops (GEMV, RoPE, KV write, paged decode attention, add+RMSNorm, SiLU-and-mul). At one to a few rows a
+// layer's ten ops each take tens of microseconds of memory time, and the Python between them (module calls,
+// views, attribute reads) cost as much again; here that Python runs once per step, and the GIL is released
+// for the whole stack instead of being taken back after each op.
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions);
+void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+constexpr int64_t kWeightsPerLayer = 7;  // qkv, qkv bias (empty: none), o_proj, post norm, gate_up, down, next norm
+
+// x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
+// holds kWeightsPerLayer tensors per layer ("next norm": the next layer's input norm, the final norm for the
+// last layer); `caches` the K and V cache of each layer. Returns the last layer's output norm.
+torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
+                                 std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
+                                 torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
+                                 torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                 double scale) {
+  const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && caches.size() % 2 == 0,
+              "decode_layers_bf16 takes ", kWeightsPerLayer, " weights and 2 caches per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && h.sizes() == x.sizes(), "x and h must be contiguous [rows, hidden]");
+  const int64_t t = x.size(0), nh = num_heads, kvh = num_kv_heads;
+  TORCH_CHECK(nh > 0 && kvh > 0 && nh % kvh == 0, "query heads must be a positive multiple of KV heads");
+  positions = positions.to(torch::kInt64).contiguous();
+  slots = slots.to(torch::kInt64).contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  context_lens = context_lens.to(torch::kInt64).contiguous();
+  for (int64_t i = 0; i < layers; ++i) {
+    const torch::Tensor* w = weights.data() + i * kWeightsPerLayer;
+    const torch::Tensor& k_cache = caches[2 * i];
+    const torch::Tensor& v_cache = caches[2 * i + 1];
+    const int64_t d = k_cache.size(3);
+    TORCH_CHECK(w[0].size(0) == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", w[0].size(0), " rows, not ",
+                (nh + 2 * kvh) * d);
+    const c10::optional<torch::Tensor> bias = w[1].numel() > 0 ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
+    const torch::Tensor qkv = gemv_bf16(h, w[0], bias);
+    const torch::Tensor qk = qkv.narrow(1, 0, (nh + kvh) * d).view({t, nh + kvh, d});
+    rope_(qk, cos_table, sin_table, positions);
+    const torch::Tensor v = qkv.narrow(1, (nh + kvh) * d, kvh * d).view({t, kvh, d});
+    write_kv_(k_cache, v_cache, qk.narrow(1, nh, kvh), v, slots);
+    const torch::Tensor o = paged_decode_attention_bf16(qk.narrow(1, 0, nh), k_cache, v_cache, block_tables, context_lens,
+                                                        scale).view({t, nh * d});
+    h = add_rms_norm(x, gemv_bf16(o, w[2], c10::nullopt), w[3], eps);
+    h = add_rms_norm(x, gemv_bf16(silu_and_mul(gemv_bf16(h, w[4], c10::nullopt)), w[5], c10::nullopt), w[6], eps);
+  }
+  return h;
+}

@@ -1,0 +1,63 @@
+"""The compiled decoder stack of a decode step (`kernels/csrc_decode_layers.cpp`, through
+`CppLayerOps.decode_layers`) against the layer-by-layer loop it replaces: the same kernels in the same order,
+so the same tokens and the same logprobs, bit for bit. Steps it does not take (prefill chunks, more rows than
+the GEMV takes) still run the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_kernels import COMPILED, needs_compiled_kernels
+from conftest import write_tiny_model
+from kernels import layer_ops
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
+
+
+def _bf16_kernels() -> bool:
+    from kernels.cpu_extension import load_extension
+
+    return COMPILED and load_extension().has_avx512_bf16()
+
+
+def _run(model: str, prompts: list[list[int]]) -> dict[str, tuple[list[int], list]]:
+    engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp")
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=2 + i % 15, temperature=0, ignore_eos=True, logprobs=3)
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt, output_kind=OutputKind.FINAL_ONLY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            done[out.request_id] = (c.token_ids, [{k: v.logprob for k, v in lp.items()} for lp in c.logprobs])
+    assert engine.get_stats().kv_cache_usage == 0
+    return done
+
+
+@needs_compiled_kernels
+@pytest.mark.skipif(not _bf16_kernels(), reason="the compiled decoder stack needs AVX512-BF16")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_compiled_decode_steps_match_the_layer_loop(kind, tmp_path, default_model_dir, monkeypatch):
+    model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
+    gen = torch.Generator().manual_seed(1)
+    # 30 requests of 2..16 tokens: decode steps of 30 rows (past the GEMV's 24: the loop), then fewer as they end
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (30,), generator=gen)]
+    real, taken = layer_ops.CppLayerOps.decode_layers, []
+
+    def counted(self, x, *args):
+        out = real(self, x, *args)
+        taken.append((x.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", counted)
+    compiled = _run(model, prompts)
+    assert any(took for _, took in taken), f"no step took the compiled decoder stack: {taken}"
+    assert all(took == (rows <= layer_ops.GEMV_MAX_ROWS) for rows, took in taken)
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
+    assert _run(model, prompts) == compiled
+
+
+def test_torch_ops_have_no_compiled_stack():
+    assert layer_ops.TorchLayerOps().decode_layers(None, None, None, None, None, None) is None
