@@ -36,8 +36,14 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
         self._ext = load_extension()
         self._bf16 = self._ext.has_avx512_bf16()
 
+    def takes_bf16(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the compiled bfloat16 kernels run for `dtype` and `head_dim`: built for AVX512-BF16, and a
+        head_dim that is a multiple of 32 and at most 256 (the decode kernel keeps head_dim / 16 sums of a
+        head in registers)."""
+        return self._bf16 and dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+
     def _use_bf16(self, query: torch.Tensor) -> bool:
-        return self._bf16 and query.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0 and query.shape[-1] <= 256
+        return self.takes_bf16(query.dtype, query.shape[-1])
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
         return CppAttentionMetadata(common.slot_mapping, *split_step(common))

@@ -27,10 +27,9 @@ GEMV_MAX_ROWS = 24
 class DecodeStack:
     """A model's decoder layers as `decode_layers` takes them: per layer its qkv weight, qkv bias (an empty
     tensor for none), o_proj, post-attention norm, gate_up, down, and the next input norm (the final norm
-    after the last layer); `caches` holds each layer's K and V cache."""
+    after the last layer)."""
 
     weights: list[torch.Tensor]
-    caches: list[torch.Tensor]
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -41,6 +40,7 @@ class TorchLayerOps:
     name = "torch"
 
     def decode_layers(self, x: torch.Tensor, h: torch.Tensor, stack: DecodeStack,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], attn: AttentionBackend,
                       meta: AttentionMetadata) -> torch.Tensor | None:
         """Every layer of a decode-only step in one compiled call, where these ops have one: updates the
@@ -95,18 +95,19 @@ class CppLayerOps(TorchLayerOps):
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None
         self.gemv_max_rows = gemv_max_rows
 
-    def decode_layers(self, x, h, stack, rope, attn, meta):
+    def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
         """A decode-only step of at most `gemv_max_rows` bfloat16 rows through the compiled attention: the
         same kernels in the same order as the layer loop (so the same numbers), with the Python between
         them run once per step instead of once per op (`kernels/csrc_decode_layers.cpp`)."""
-        from kernels.cpp_attention import CppAttentionMetadata
+        from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
 
-        if (self._gemv is None or x.dtype != torch.bfloat16 or x.shape[0] > self.gemv_max_rows
-                or not isinstance(meta, CppAttentionMetadata) or meta.chunks is not None or meta.decodes is None
-                or stack.head_dim % 32 or stack.head_dim > 256):
+        if (self._gemv is None or x.shape[0] > self.gemv_max_rows or not isinstance(attn, CppPagedAttention)
+                or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)
+                or meta.chunks is not None or meta.decodes is None):
             return None
         dec = meta.decodes
-        return self._ext.decode_layers_bf16(x, h, stack.weights, stack.caches, *rope, meta.slot_mapping,
+        caches = [c for kv in kv_caches for c in kv]
+        return self._ext.decode_layers_bf16(x, h, stack.weights, caches, *rope, meta.slot_mapping,
                                             dec.block_tables, dec.context_lens, stack.num_heads, stack.num_kv_heads,
                                             stack.eps, stack.head_dim ** -0.5)
 

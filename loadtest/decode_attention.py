@@ -49,7 +49,7 @@ def run_decode_attention(args: argparse.Namespace) -> int:
     lens = torch.randint(max(1, args.context - 60), args.context + 1, (args.batch,), generator=gen)
     q = torch.randn(args.batch, heads, dim, generator=gen).bfloat16()
     scale = dim ** -0.5
-    if not CppPagedAttention()._use_bf16(q):
+    if not CppPagedAttention().takes_bf16(q.dtype, dim):
         raise ValueError(f"head_dim {dim} does not take the bfloat16 kernel (a multiple of 32, at most 256)")
     kv_bytes = int(lens.sum()) * kv_heads * dim * 2 * 2
     buffer = torch.ones(256 * 2**20 // 4)

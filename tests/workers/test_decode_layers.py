@@ -60,4 +60,4 @@ def test_compiled_decode_steps_match_the_layer_loop(kind, tmp_path, default_mode
 
 
 def test_torch_ops_have_no_compiled_stack():
-    assert layer_ops.TorchLayerOps().decode_layers(None, None, None, None, None, None) is None
+    assert layer_ops.TorchLayerOps().decode_layers(None, None, None, None, None, None, None) is None

@@ -11,6 +11,7 @@ q/k/v and gate/up are split by output rows (column-parallel), o_proj and down by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         fused = None
         if self.tp.size == 1 and logits_indices.numel() == x.shape[0]:  # every row samples: a decode step
-            fused = ops.decode_layers(x, h, self._decode_stack(kv_caches), rope, attn, meta)
+            fused = ops.decode_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
         if fused is not None:
             h = fused
         else:
@@ -166,9 +167,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.tp.gather_last_dim(ops.linear(h, head), self.args.vocab_size)
 
-    def _decode_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeStack:
-        """The layers' weights and caches for `ops.decode_layers`, gathered per step (a few microseconds), so
-        that they are never stale after the model moves or reloads."""
+    @functools.cached_property
+    def _decode_stack(self) -> DecodeStack:
+        """The layers' weights for `ops.decode_layers`, gathered on first use. It holds the Parameters
+        themselves, which loading (`load_hf_weights` copies into them) and moving (`Module.to` swaps their
+        data) keep; only the bias placeholder is a tensor of its own, empty, which never goes stale."""
         empty = self.norm.new_empty(0)
         weights: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -176,8 +179,7 @@ class LlamaForCausalLM(nn.Module):
             weights += [layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o_proj, layer.post_norm,
                         layer.gate_up, layer.down, after]
         first = self.layers[0]
-        return DecodeStack(weights, [c for kv in kv_caches for c in kv], first.num_heads, first.num_kv_heads,
-                           first.head_dim, first.eps)
+        return DecodeStack(weights, first.num_heads, first.num_kv_heads, first.head_dim, first.eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings; a rank looks up the ids in its vocabulary range, zeros elsewhere, then all ranks sum."""
