@@ -121,12 +121,22 @@ async def _watch_serve(app: str, deployment: str, before: int, run: RecoveryRun,
         await asyncio.sleep(0.1)
 
 
-async def measure_recovery(url: str, app: str, model: str, deployment: str = "EngineWorker",
+def engine_deployment(app: str) -> str:
+    """The deployment of `app` whose replicas run engines: `EngineWorker`, or the ingress when the engine
+    runs in it (`engine_in_ingress`)."""
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return "EngineWorker" if "EngineWorker" in deployments else "OpenAIIngress"
+
+
+async def measure_recovery(url: str, app: str, model: str, deployment: str | None = None,
                            probe_interval_s: float = 0.5, probe_timeout_s: float = 60.0,
                            limit_s: float = 180.0) -> RecoveryRun:
-    """Kill one replica of `deployment` and send a probe every `probe_interval_s` until one gets 200
-    (then wait for the probes still out), or until `limit_s` (then `served_s` stays None). The caller's
-    process must be connected to the app's Ray cluster."""
+    """Kill one replica of `deployment` (default: the one running the engine) and send a probe every
+    `probe_interval_s` until one gets 200 (then wait for the probes still out), or until `limit_s` (then
+    `served_s` stays None). The caller's process must be connected to the app's Ray cluster."""
+    deployment = deployment or await asyncio.to_thread(engine_deployment, app)
     before = await asyncio.to_thread(_running, app, deployment)
     _, t0 = kill_replica(app, deployment)
     run = RecoveryRun()

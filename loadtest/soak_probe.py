@@ -16,6 +16,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 ENGINE_DEPLOYMENTS = ("EngineWorker", "PrefillWorker")
+INGRESS_DEPLOYMENT = "OpenAIIngress"  # runs the engine when the app has no engine deployment (engine_in_ingress)
 REPLICA_TITLE = re.compile(r"ServeReplica:([^:\s]+):(\w+)")
 
 
@@ -108,8 +109,10 @@ def _descends_from(pid: int, ancestor: int, proc: Path) -> bool:
 def engine_replica_pids(app: str | None = None, ancestor: int | None = None,
                         proc: Path = Path("/proc")) -> dict[int, str]:
     """Engine replica processes on this host ({pid: title}): of Serve app `app` (or any app), and with
-    `ancestor`, only its descendants (the replicas of a Ray cluster this process started)."""
-    found = {}
+    `ancestor`, only its descendants (the replicas of a Ray cluster this process started). An app with no
+    engine deployment here runs its engine in its ingress's replicas (`engine_in_ingress`): those count."""
+    engines: dict[int, tuple[str, str]] = {}
+    ingresses: dict[int, tuple[str, str]] = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -118,10 +121,14 @@ def engine_replica_pids(app: str | None = None, ancestor: int | None = None,
         except OSError:
             continue
         replica = replica_of(title)
-        if replica is None or replica[1] not in ENGINE_DEPLOYMENTS or app not in (None, replica[0]):
+        if replica is None or app not in (None, replica[0]):
             continue
-        if ancestor is None or _descends_from(int(entry.name), ancestor, proc):
-            found[int(entry.name)] = title
+        kind = engines if replica[1] in ENGINE_DEPLOYMENTS else ingresses if replica[1] == INGRESS_DEPLOYMENT else None
+        if kind is not None and (ancestor is None or _descends_from(int(entry.name), ancestor, proc)):
+            kind[int(entry.name)] = (replica[0], title)
+    with_engines = {a for a, _ in engines.values()}
+    found = {pid: title for pid, (_, title) in engines.items()}
+    found.update({pid: title for pid, (a, title) in ingresses.items() if a not in with_engines})
     return found
 
 

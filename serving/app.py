@@ -23,7 +23,7 @@ from router.registry import replica_ids
 from serving.app_config import AppConfig, parse_app_args
 from serving.chat import ChatInputError, ChatTemplateOptions, chat_prompt_ids
 from serving.disaggregated import DisaggregatedClient
-from serving.engine_client import EngineClient, EngineError, RequestStream, awaited, call
+from serving.engine_client import EngineClient, EngineError, LocalEngineClient, RequestStream, awaited, call
 from serving.errors import OpenAIError, from_validation_error, install_error_handlers
 from serving.metrics import merge_expositions
 from serving.openai_format import ResponseView, sse_response
@@ -51,15 +51,26 @@ def _default_model_name(model_path: str) -> str:
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, worker: DeploymentHandle, config: dict, prefill: DeploymentHandle | None = None) -> None:
+    """`worker` None: the engine runs in this replica (`AppConfig.engine_in_ingress`)."""
+
+    def __init__(self, worker: DeploymentHandle | None, config: dict, prefill: DeploymentHandle | None = None) -> None:
         self.config = AppConfig(**config)
         self.model_path = resolve_model_path(self.config.engine.model)
         self.model_names = self.config.served_model_name or [_default_model_name(self.model_path)]
         self.model_name = self.model_names[0]
         self.tokenizer = load_tokenizer(self.model_path)
-        self.worker = worker
-        self.engine = self._engine_client(worker)
-        self.workers = {WORKER_DEPLOYMENT: worker}
+        self.worker, self.local = worker, None
+        if worker is None:
+            from workers.deployment import EngineWorker
+
+            self.local = EngineWorker(asdict(self.config.engine), self.config.max_waiting_requests,
+                                      max_failed_steps=self.config.max_failed_steps,
+                                      drain_timeout_s=self.config.drain_timeout_s)
+            self.engine = LocalEngineClient(self.local, self.config.replica_wait_timeout_s, self.config.drain_timeout_s)
+            self.workers = {}
+        else:
+            self.engine = self._engine_client(worker)
+            self.workers = {WORKER_DEPLOYMENT: worker}
         if prefill is not None:
             self.engine = DisaggregatedClient(self._engine_client(prefill), self.engine, prefill)
             self.workers = {PREFILL_DEPLOYMENT: prefill, DECODE_DEPLOYMENT: worker}
@@ -67,10 +78,25 @@ class OpenAIIngress:
         self._api_key = self.config.api_key or os.environ.get("KVRELAY_API_KEY") or None
 
     def __del__(self) -> None:
-        """Serve calls this once the ingress has drained; its subscriber streams end with it."""
+        """Serve calls this once the ingress has drained; its subscriber streams end with it, and the engine
+        if it runs here."""
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        local = getattr(self, "local", None)
+        if local is not None:
+            local.shutdown()
+
+    def startup_times(self) -> dict[str, float]:
+        """The engine's start, when it runs in this replica (`EngineWorker.startup_times`)."""
+        if self.local is None:
+            raise RuntimeError("the engine does not run in the ingress (engine_in_ingress is off)")
+        return self.local.startup_times()
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine's, when it runs in this replica."""
+        if self.local is not None:
+            await self.local.check_health()
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -80,6 +106,14 @@ class OpenAIIngress:
     async def _model_info(self, refresh: bool = False) -> ModelInfo:
         """The engine's model facts, fetched once; `refresh` asks a replica again (the health check). No
         answer within `replica_wait_timeout_s` is a 503."""
+        if self.local is not None:
+            if refresh:
+                try:
+                    await self.local.check_health()
+                except Exception as e:
+                    raise OpenAIError(503, f"the engine is unhealthy: {e}") from None
+            self._info = self._info or self.local.model_info()
+            return self._info
         if self._info is None or refresh:
             timeout = self.config.replica_wait_timeout_s
             response = call(self.worker.model_info)
@@ -252,6 +286,9 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
+        if self.local is not None:
+            return Response(merge_expositions([self.local.metrics_text()[1]]),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
         calls = []
         for name, handle in self.workers.items():
             ids = replica_ids(name)
@@ -334,6 +371,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None):
     from workers.deployment import worker_deployment
 
     ingress = OpenAIIngress.options(**config.ingress_deployment_options())
+    if config.engine_runs_in_ingress:
+        return ingress.bind(None, config.model_dump(mode="python"))
     if not config.disaggregate:
         worker = worker_deployment(WORKER_DEPLOYMENT).options(**config.worker_deployment_options()).bind(
             asdict(config.engine), config.max_waiting_requests, max_failed_steps=config.max_failed_steps,

@@ -57,6 +57,10 @@ class AppConfig(BaseModel):
                                          "list; more get HTTP 400 naming prompt.")
     max_sequences_per_request: int = Field(1024, ge=1, description="Most sequences one request starts (prompts x n); "
                                            "more get HTTP 400 naming n.")
+    engine_in_ingress: bool | None = Field(None, description="Run the engine in the HTTP ingress's replica, one "
+                                           "process, so a step's tokens reach the client without a message between "
+                                           "processes; default: on when the app has one engine replica (fixed, not "
+                                           "disaggregated, no tensor parallelism), which is when it can.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
     disaggregate: bool = Field(False, description="Run separate prefill and decode pools that hand off KV blocks.")
     prefill_replicas: int = Field(1, ge=1, description="Disaggregated: prefill replicas (autoscaling lower bound).")
@@ -110,6 +114,31 @@ class AppConfig(BaseModel):
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
         return self
+
+    @model_validator(mode="after")
+    def _check_engine_in_ingress(self):
+        if self.engine_in_ingress and self._engine_in_ingress_blocker():
+            raise ValueError(f"engine_in_ingress needs one engine replica, but {self._engine_in_ingress_blocker()}")
+        return self
+
+    def _engine_in_ingress_blocker(self) -> str | None:
+        """Why the engine cannot run in the ingress's replica (None: it can)."""
+        if self.disaggregate:
+            return "the app is disaggregated (a prefill and a decode pool)"
+        if self.autoscaling:
+            return f"the app autoscales ({self.min_replicas} to {self.max_replicas} replicas)"
+        if (self.num_replicas or self.min_replicas or 1) != 1:
+            return f"the app has {self.num_replicas or self.min_replicas} replicas"
+        if self.engine.tensor_parallel_size > 1:
+            return f"the engine is split over {self.engine.tensor_parallel_size} ranks (tensor_parallel_size)"
+        return None
+
+    @property
+    def engine_runs_in_ingress(self) -> bool:
+        """`engine_in_ingress` resolved: as set, or, by default, whenever the app allows it."""
+        if self.engine_in_ingress is not None:
+            return self.engine_in_ingress
+        return self._engine_in_ingress_blocker() is None
 
     @model_validator(mode="after")
     def _check_pools(self):
@@ -198,7 +227,13 @@ class AppConfig(BaseModel):
 
     def ingress_deployment_options(self) -> dict[str, Any]:
         """The ingress outlives the engine replicas' drain, so it can still send the error events that end
-        the streams cut at `drain_timeout_s`."""
+        the streams cut at `drain_timeout_s`. With the engine in the ingress's replica, the ingress takes the
+        engine replica's options (threads, GPUs, health checks, drain; one replica) less its request router:
+        the proxy routes HTTP requests to it, one call per request, as to an engine replica."""
+        if self.engine_runs_in_ingress:
+            opts = self.worker_deployment_options()
+            del opts["request_router_config"]
+            return opts
         return {"graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
                 "graceful_shutdown_timeout_s": self.drain_timeout_s + 2 * DRAIN_MARGIN_S}
 

@@ -114,10 +114,12 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, handle: DeploymentHandle, replica_wait_timeout_s: float | None = None,
+    watch_draining = True  # see `_watch_draining`
+
+    def __init__(self, handle: DeploymentHandle | None, replica_wait_timeout_s: float | None = None,
                  drain_timeout_s: float = 30.0) -> None:
-        self._handle = handle.options(stream=True)
-        self.deployment = handle.deployment_name
+        self._handle = handle.options(stream=True) if handle is not None else None
+        self.deployment = handle.deployment_name if handle is not None else None
         self.subscriber_id = uuid.uuid4().hex
         self.replica_wait_timeout_s, self.drain_timeout_s = replica_wait_timeout_s, drain_timeout_s
         self._queues: dict[str, asyncio.Queue] = {}
@@ -130,7 +132,7 @@ class EngineClient:
         rid = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
-        stream = call(self._handle.generate, self.subscriber_id, request)
+        stream = self._open_generate(request)
         try:
             first = await asyncio.wait_for(stream.__anext__(), self.replica_wait_timeout_s)
         except BaseException as e:
@@ -150,6 +152,12 @@ class EngineClient:
         sub.requests.add(rid)
         watcher = asyncio.create_task(self._watch(stream, queue))
         return RequestStream(self, rid, queue, stream, sub, watcher)
+
+    def _open_generate(self, request: GenerateRequest):
+        return call(self._handle.generate, self.subscriber_id, request)
+
+    def _open_subscribe(self, replica_id: str):
+        return call(self._handle.subscribe, self.subscriber_id, replica_id=replica_id)
 
     async def _watch(self, stream, queue: asyncio.Queue) -> None:
         """The generate stream stays open until the request ends; if it fails, the replica is gone."""
@@ -173,12 +181,12 @@ class EngineClient:
         if sub is None:
             sub = self._subscriptions[replica_id] = _Subscription(replica_id)
             sub.task = asyncio.create_task(self._pump(sub))
-        if self._drain_watch is None or self._drain_watch.done():
+        if self.watch_draining and (self._drain_watch is None or self._drain_watch.done()):
             self._drain_watch = asyncio.create_task(self._watch_draining())
         return sub
 
     async def _pump(self, sub: _Subscription) -> None:
-        stream = sub.stream = call(self._handle.subscribe, self.subscriber_id, replica_id=sub.replica_id)
+        stream = sub.stream = self._open_subscribe(sub.replica_id)
         error: Exception | None = None
         try:
             async for batch in stream:
@@ -259,6 +267,75 @@ class EngineClient:
                 sub.stream.cancel()
             if sub.task is not None:
                 sub.task.cancel()
+
+
+class LocalEngineClient(EngineClient):
+    """`EngineClient` over an `EngineWorker` in this process (`engine_in_ingress`): the same protocol, with
+    the worker's `generate` and `subscribe` generators iterated here instead of through Serve's handle
+    calls, so a step's tokens reach the SSE writer without a message between processes. The worker ends
+    its own requests when Serve stops this replica (`EngineWorker._watch_drain`)."""
+
+    watch_draining = False
+
+    def __init__(self, worker, replica_wait_timeout_s: float | None = None, drain_timeout_s: float = 30.0) -> None:
+        super().__init__(None, replica_wait_timeout_s, drain_timeout_s)
+        self.worker = worker
+
+    def _open_generate(self, request: GenerateRequest) -> LocalCall:
+        return LocalCall(self.worker.generate(self.subscriber_id, request))
+
+    def _open_subscribe(self, replica_id: str) -> LocalCall:
+        return LocalCall(self.worker.subscribe(self.subscriber_id, replica_id))
+
+    def _no_replica_error(self) -> EngineError:
+        return EngineError(f"the engine did not accept the request within {self.replica_wait_timeout_s:g} s "
+                           "(replica_wait_timeout_s); retry later")
+
+
+_END = object()
+
+
+@dataclass(slots=True)
+class _Raised:
+    error: BaseException
+
+
+class LocalCall:
+    """An async generator of an in-process `EngineWorker`, run in a task of its own and shaped as Serve's
+    streaming response: iterate it; `cancel()` cancels the generator where it waits (its `finally` runs,
+    as in a replica whose caller went away), and the iteration ends."""
+
+    def __init__(self, agen) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._run(agen))
+
+    async def _run(self, agen) -> None:
+        try:
+            async for item in agen:
+                self._queue.put_nowait(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._queue.put_nowait(_Raised(e))
+        self._queue.put_nowait(_END)
+
+    def __aiter__(self) -> LocalCall:
+        return self
+
+    async def __anext__(self):
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)
+            raise StopAsyncIteration
+        if isinstance(item, _Raised):
+            self._queue.put_nowait(_END)
+            raise item.error
+        return item
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+            self._queue.put_nowait(_END)
 
 
 def _describe(e: BaseException) -> str:

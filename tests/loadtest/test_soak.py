@@ -194,15 +194,17 @@ def test_server_state_sums_replicas_and_takes_the_fullest_kv_cache() -> None:
 def test_engine_replicas_are_found_by_process_title(tmp_path: Path) -> None:
     titles = {11: "ray::ServeReplica:soak:EngineWorker", 12: "ray::ServeReplica:soak:OpenAIIngress",
               13: "ray::SERVE_REPLICA::other#EngineWorker#x1:ServeReplica:other:EngineWorker.__init__     ",
-              14: "python -m pytest", 15: "ray::ServeReplica:soak:PrefillWorker.handle_request"}
-    parents = {11: 14, 12: 14, 13: 1, 14: 1, 15: 11}
+              14: "python -m pytest", 15: "ray::ServeReplica:soak:PrefillWorker.handle_request",
+              16: "ray::ServeReplica:fused:OpenAIIngress"}  # an app whose engine runs in its ingress
+    parents = {11: 14, 12: 14, 13: 1, 14: 1, 15: 11, 16: 1}
     for pid, title in titles.items():
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(title.encode() + b"\0--flag\0")
         (tmp_path / str(pid) / "stat").write_text(f"{pid} (ray::x) y) S {parents[pid]} 1 1 0 -1 0 0 0 0 0 {pid} 1 0\n")
     (tmp_path / "11" / "status").write_text("Name:\tray\nVmRSS:\t  2048 kB\n")
     assert engine_replica_pids("soak", proc=tmp_path) == {11: titles[11], 15: titles[15]}
-    assert sorted(engine_replica_pids(None, proc=tmp_path)) == [11, 13, 15]
+    assert sorted(engine_replica_pids(None, proc=tmp_path)) == [11, 13, 15, 16]
+    assert engine_replica_pids("fused", proc=tmp_path) == {16: titles[16]}
     assert sorted(engine_replica_pids(None, ancestor=14, proc=tmp_path)) == [11, 15]
     assert rss_bytes(11, proc=tmp_path) == 2048 * 1024 and rss_bytes(12, proc=tmp_path) is None
     ticks = os.sysconf("SC_CLK_TCK")

@@ -1,9 +1,11 @@
 """The health-check and drain options reach the deployments that `build_app` binds; tensor parallelism
-gives the engine replica a placement group."""
+gives the engine replica a placement group; the engine runs in the ingress's replica when the app can."""
 
 from __future__ import annotations
 
 import argparse
+
+import pytest
 
 from serving.app import build_app
 from serving.app_config import AppConfig, parse_app_args
@@ -16,7 +18,7 @@ def _deployments(app) -> tuple:
 
 
 def test_lifecycle_options_reach_the_engine_and_ingress_deployments():
-    for options in ({}, {"disaggregate": True}):
+    for options in ({"engine_in_ingress": "false"}, {"disaggregate": True}):
         config = parse_app_args({**options, "drain_timeout_s": "12", "health_check_period_s": "1",
                                  "health_check_timeout_s": "4", "max_failed_steps": "3"})
         ingress, engine = _deployments(build_app(config))
@@ -25,6 +27,22 @@ def test_lifecycle_options_reach_the_engine_and_ingress_deployments():
         assert 12 < engine_config.graceful_shutdown_timeout_s < ingress._deployment_config.graceful_shutdown_timeout_s
         assert engine.init_kwargs["max_failed_steps"] == 3
         assert ingress.init_args[1]["replica_wait_timeout_s"] == 10  # the default, read by the ingress
+
+
+def test_the_engine_runs_in_the_ingress_by_default_when_the_app_has_one_engine_replica():
+    app = build_app(parse_app_args({"drain_timeout_s": "12", "health_check_period_s": "1", "num_threads": "2"}))
+    ingress = app._bound_deployment
+    assert ingress.init_args[0] is None  # no engine deployment: the ingress builds the engine
+    cfg = ingress._deployment_config
+    assert (cfg.num_replicas, cfg.health_check_period_s) == (1, 1) and cfg.graceful_shutdown_timeout_s > 12
+    assert ingress.ray_actor_options["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    assert cfg.max_ongoing_requests == AppConfig().replica_max_ongoing_requests(EngineConfig())
+    for options, why in (({"disaggregate": True}, "disaggregated"), ({"max_replicas": 2}, "autoscales"),
+                         ({"num_replicas": 2}, "2 replicas"), ({"engine": EngineConfig(tensor_parallel_size=2)}, "ranks")):
+        assert not AppConfig(**options).engine_runs_in_ingress  # auto: an engine deployment of its own
+        with pytest.raises(ValueError, match=f"engine_in_ingress needs one engine replica, but .*{why}"):
+            AppConfig(engine_in_ingress=True, **options)
+    assert not AppConfig(engine_in_ingress=False).engine_runs_in_ingress
 
 
 def test_tensor_parallel_size_gives_the_engine_replica_one_bundle_per_rank():

@@ -103,8 +103,11 @@ def _replica_actors(app: str, deployment: str) -> list:
 WAIT_S = 3.0  # replica_wait_timeout_s of the apps below
 
 
-def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app):
-    url = deploy_app("kill", replica_wait_timeout_s=WAIT_S)
+@pytest.mark.parametrize("in_ingress", [False, True], ids=["engine-replica", "engine-in-ingress"])
+def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app, in_ingress):
+    app = "kill-fused" if in_ingress else "kill"
+    deployment = "OpenAIIngress" if in_ingress else "EngineWorker"
+    url = deploy_app(app, replica_wait_timeout_s=WAIT_S, engine_in_ingress=in_ingress)
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
     async def stream_until_error(i: int, started: asyncio.Event) -> str:
@@ -122,15 +125,18 @@ def test_killed_replica_ends_streams_with_error_and_recovers(deploy_app):
         tasks = [asyncio.create_task(stream_until_error(i, started)) for i in range(4)]
         await asyncio.wait_for(started.wait(), 60)
         await asyncio.sleep(0.5)
-        assert len(_replica_actors("kill", "EngineWorker")) == 1
-        recovery = asyncio.create_task(measure_recovery(url, "kill", MODEL, probe_interval_s=1.0))
+        assert len(_replica_actors(app, deployment)) == 1
+        recovery = asyncio.create_task(measure_recovery(url, app, MODEL, probe_interval_s=1.0))
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)  # no hang
         return outcomes, await recovery
 
     outcomes, recovery = asyncio.run(run())
-    assert all(o.startswith("error") for o in outcomes), outcomes
+    assert all(o.startswith("error") for o in outcomes), outcomes  # cut with an error event, or the connection
     assert recovery.served_s is not None, recovery.to_dict()
-    for probe in recovery.probes:  # during the gap: 503 with a body, within the bound; never silence
+    if in_ingress:  # nothing of the app is left to answer 503: Serve's proxy holds requests for the replacement
+        assert all(p.status == 200 and p.done_s < recovery.served_s + 5 for p in recovery.probes), recovery.to_dict()
+    # during the gap, with an engine replica: 503 with a body, within the bound; never silence
+    for probe in ([] if in_ingress else recovery.probes):
         assert probe.status in (200, 503), probe
         assert probe.done_s - probe.sent_s < WAIT_S + 10, probe
         if probe.status == 503:
@@ -218,7 +224,7 @@ def test_autoscaling_adds_a_replica_that_serves(deploy_app):
 @pytest.fixture(autouse=True, scope="module")
 def _cleanup_apps():
     yield
-    for app in ("queue", "isolation", "kill", "scale"):
+    for app in ("queue", "isolation", "kill", "kill-fused", "scale"):
         try:
             serve.delete(app)
         except Exception:

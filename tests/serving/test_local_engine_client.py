@@ -1,0 +1,112 @@
+"""`LocalEngineClient` over an `EngineWorker` in the same process (`engine_in_ingress`), outside Serve, on the
+tiny model: tokens stream per request, greedy tokens equal the offline engine's, a closed stream aborts its
+request, a refusal is an `EngineError`, and every KV block returns to the pool."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.engine_client import EngineError, LocalCall, LocalEngineClient
+from serving.llm import LLM
+from workers.deployment import EngineWorker
+from workers.messages import GenerateRequest
+from workers.sampling_params import SamplingParams
+
+
+def _options(model: str, **extra) -> dict:
+    return dict(model=model, dtype="float32", max_model_len=1024, kv_cache_memory="16MiB", attention_backend="torch",
+                num_threads=1, **extra)
+
+
+@pytest.fixture
+def worker(tiny_model_dir):
+    w = EngineWorker(_options(tiny_model_dir, max_num_seqs=2), max_waiting_requests=0)
+    yield w
+    w.shutdown()
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def _idle(worker: EngineWorker) -> bool:
+    load = worker.load()
+    return (load.num_running, load.num_waiting) == (0, 0) and load.num_free_kv_tokens == load.kv_capacity_tokens
+
+
+def test_streams_greedy_tokens_equal_to_the_offline_engine(worker, tiny_model_dir):
+    prompts = [list(range(100, 110)), list(range(300, 305))]
+
+    async def run() -> list[list[int]]:
+        client = LocalEngineClient(worker)
+        streams = [await client.submit(_request(f"r{i}", p, 12)) for i, p in enumerate(prompts)]
+
+        async def collect(stream) -> list[int]:
+            outs = [out async for out in stream]
+            assert outs[-1].finished and len(outs) > 1  # deltas per step, not one answer at the end
+            return [t for out in outs for t in out.outputs[0].token_ids]
+
+        tokens = await asyncio.wait_for(asyncio.gather(*map(collect, streams)), 60)
+        client.close()
+        return tokens
+
+    tokens = asyncio.run(run())
+    offline = LLM(**_options(tiny_model_dir))
+    expected = [o.outputs[0].token_ids for o in offline.generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+    assert tokens == expected
+    assert _idle(worker)
+
+
+def test_a_closed_stream_aborts_its_request_and_a_refusal_raises(worker):
+    async def run() -> EngineError:
+        client = LocalEngineClient(worker)
+        long = [await client.submit(_request(f"long-{i}", [5, 6, 7], 1000)) for i in range(2)]
+        await anext(long[0])
+        with pytest.raises(EngineError) as refused:  # two running, none may wait (max_waiting_requests=0)
+            await client.submit(_request("extra", [5, 6, 7], 4))
+        for stream in long:
+            stream.close()
+        for _ in range(200):
+            if _idle(worker):
+                break
+            await asyncio.sleep(0.05)
+        client.close()
+        return refused.value
+
+    refusal = asyncio.run(run())
+    assert refusal.status == 429 and "max_waiting_requests=0" in refusal.message
+    assert _idle(worker)  # the aborted requests gave back every block
+
+
+def test_local_call_passes_items_errors_and_cancellation():
+    closed: list[str] = []
+
+    async def gen(fail: bool):
+        try:
+            yield 1
+            if fail:
+                raise ValueError("boom")
+            await asyncio.sleep(3600)
+            yield 2
+        finally:
+            closed.append("fail" if fail else "wait")
+
+    async def run() -> None:
+        failing = LocalCall(gen(True))
+        assert await anext(failing) == 1
+        with pytest.raises(ValueError, match="boom"):
+            await anext(failing)
+        with pytest.raises(StopAsyncIteration):
+            await anext(failing)
+        waiting = LocalCall(gen(False))
+        assert await anext(waiting) == 1
+        waiting.cancel()  # as Serve cancels a replica's generator when its caller goes away
+        with pytest.raises(StopAsyncIteration):
+            await anext(waiting)
+        await asyncio.sleep(0)
+        assert closed == ["fail", "wait"]
+
+    asyncio.run(run())
