@@ -117,8 +117,9 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_engine_in_ingress(self):
-        if self.engine_in_ingress and self._engine_in_ingress_blocker():
-            raise ValueError(f"engine_in_ingress needs one engine replica, but {self._engine_in_ingress_blocker()}")
+        blocker = self._engine_in_ingress_blocker() if self.engine_in_ingress else None
+        if blocker:
+            raise ValueError(f"engine_in_ingress needs one engine replica, but {blocker}")
         return self
 
     def _engine_in_ingress_blocker(self) -> str | None:
@@ -127,8 +128,8 @@ class AppConfig(BaseModel):
             return "the app is disaggregated (a prefill and a decode pool)"
         if self.autoscaling:
             return f"the app autoscales ({self.min_replicas} to {self.max_replicas} replicas)"
-        if (self.num_replicas or self.min_replicas or 1) != 1:
-            return f"the app has {self.num_replicas or self.min_replicas} replicas"
+        if self.fixed_replicas != 1:
+            return f"the app has {self.fixed_replicas} replicas"
         if self.engine.tensor_parallel_size > 1:
             return f"the engine is split over {self.engine.tensor_parallel_size} ranks (tensor_parallel_size)"
         return None
@@ -176,6 +177,11 @@ class AppConfig(BaseModel):
         return engine.max_num_seqs + waiting + _CALL_HEADROOM
 
     @property
+    def fixed_replicas(self) -> int:
+        """The engine replica count when the app does not autoscale."""
+        return self.num_replicas or self.min_replicas or 1
+
+    @property
     def autoscaling(self) -> bool:
         return self.num_replicas is None and self.max_replicas > self.min_replicas
 
@@ -212,7 +218,7 @@ class AppConfig(BaseModel):
                 "look_back_period_s": self.look_back_period_s, "metrics_interval_s": self.metrics_interval_s,
             }
         else:
-            opts["num_replicas"] = self.num_replicas or self.min_replicas or 1
+            opts["num_replicas"] = self.fixed_replicas
         return opts
 
     def _lifecycle_options(self) -> dict[str, Any]:
