@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 
-# Every linear layer of SmolLM2-135M at once, 2 threads, best of 5 (docs/benchmarks.md): the GEMV takes 0.49x
-# F.linear's time at 1 row, 0.42x at 8, 0.61x at 16, 0.62x at 24 and 0.91x at 32; prefill steps take oneDNN.
-GEMV_MAX_ROWS = 24
+# Every linear layer of SmolLM2-135M's 30 layers in turn, 2 threads, median of 7 (docs/benchmarks.md): the
+# GEMV takes 0.38-0.43x F.linear's time at 8 rows, 0.57x at 16, 0.74x at 24, 0.72-0.77x at 32 and 0.84-0.91x
+# at 40; prefill steps take oneDNN.
+GEMV_MAX_ROWS = 32
 
 
 @dataclass(frozen=True, slots=True)

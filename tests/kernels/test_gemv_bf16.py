@@ -77,6 +77,24 @@ def test_exact_where_float32_sums_are_exact(n, k):
 
 
 @needs_bf16
+@pytest.mark.parametrize("n", [1, 5, 511, 1024, 1027, 2053])
+def test_the_same_outputs_however_the_rows_are_split(n):
+    """A thread reads its rows as four streams side by side and the few left over one at a time; which
+    rows go together depends on N and the thread count, and must change no output: each equals the row
+    computed alone, with one thread or two."""
+    x, w, b = _data(5, n, 64, seed=n)
+    alone = torch.cat([CPP._gemv(x, w[i:i + 1], b[i:i + 1]) for i in range(n)], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(CPP._gemv(x, w, b), alone)
+            assert torch.equal(CPP._gemv(x[:1], w, b), alone[:1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16
 def test_rows_of_a_wider_tensor_and_empty_inputs():
     x, w, b = _data(3, 64, 96, seed=3)
     wide = torch.zeros(3, 200, dtype=torch.bfloat16)

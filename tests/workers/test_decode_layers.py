@@ -42,8 +42,9 @@ def _run(model: str, prompts: list[list[int]]) -> dict[str, tuple[list[int], lis
 def test_compiled_decode_steps_match_the_layer_loop(kind, tmp_path, default_model_dir, monkeypatch):
     model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
     gen = torch.Generator().manual_seed(1)
-    # 30 requests of 2..16 tokens: decode steps of 30 rows (past the GEMV's 24: the loop), then fewer as they end
-    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (30,), generator=gen)]
+    # GEMV_MAX_ROWS + 6 requests: decode steps past the GEMV's rows (the loop), then fewer as they end
+    count = layer_ops.GEMV_MAX_ROWS + 6
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (count,), generator=gen)]
     real, taken = layer_ops.CppLayerOps.decode_layers, []
 
     def counted(self, x, *args):
@@ -54,6 +55,7 @@ def test_compiled_decode_steps_match_the_layer_loop(kind, tmp_path, default_mode
     monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", counted)
     compiled = _run(model, prompts)
     assert any(took for _, took in taken), f"no step took the compiled decoder stack: {taken}"
+    assert not all(took for _, took in taken), f"every step took the compiled decoder stack: {taken}"
     assert all(took == (rows <= layer_ops.GEMV_MAX_ROWS) for rows, took in taken)
     monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
     assert _run(model, prompts) == compiled
