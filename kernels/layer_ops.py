@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from kernels.attention import AttentionBackend, AttentionMetadata
 
 
-# Every linear layer of SmolLM2-135M's 30 layers in turn, 2 threads, median of 7 (docs/benchmarks.md): the
-# GEMV takes 0.38-0.43x F.linear's time at 8 rows, 0.57x at 16, 0.74x at 24, 0.72-0.77x at 32 and 0.84-0.91x
-# at 40; prefill steps take oneDNN.
+# Every linear layer of SmolLM2-135M's 30 layers in turn, 2 threads, median of 7, four runs on one host
+# (docs/benchmarks.md): the GEMV takes 0.38-0.46x F.linear's time at 8 rows, 0.55-0.59x at 16, 0.59-0.75x at
+# 24, 0.72-0.90x at 32, 0.78-0.91x at 40 and 0.83-1.01x at 64; prefill steps take oneDNN.
 GEMV_MAX_ROWS = 32
 
 
