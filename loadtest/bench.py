@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from loadtest import decode_attention, recovery, runners, single, structured
+from loadtest import decode_attention, recovery, result_commands, runners, single, structured
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.soak_mix import SoakMix
 from loadtest.workloads import BURST_CAPS, SINGLE_LEN, SINGLE_NUM_REQUESTS
@@ -238,8 +238,8 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
     "single": single.run_single,
     "long-prompt": runners.run_long_prompt, "policies": runners.run_policies,
-    "train-predictor": runners.run_train_predictor, "overhead": runners.run_overhead,
-    "compare": runners.run_compare, "plot": runners.run_plot, "soak": runners.run_soak,
+    "train-predictor": result_commands.run_train_predictor, "overhead": runners.run_overhead,
+    "compare": result_commands.run_compare, "plot": result_commands.run_plot, "soak": runners.run_soak,
 }
 
 

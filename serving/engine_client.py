@@ -313,9 +313,7 @@ class LocalCall:
         try:
             async for item in agen:
                 self._queue.put_nowait(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # cancellation (a BaseException) ends the task without an _END; cancel() queues it
             self._queue.put_nowait(_Raised(e))
         self._queue.put_nowait(_END)
 
