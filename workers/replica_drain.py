@@ -22,6 +22,8 @@ def serve_stop_flag() -> Callable[[], bool] | None:
     """A reader of the flag Serve sets on this replica when its graceful shutdown starts, or None outside
     a Serve replica. Serve offers no public hook for that moment; the flag is the replica's
     `_shutting_down`, which Serve documents as meant for replica implementations to read."""
+    if not ray.is_initialized():  # no Ray here; asking for the runtime context would leave a later ray.init failing
+        return None
     try:
         actor_id = ray.get_runtime_context().get_actor_id()
         if actor_id is None:
