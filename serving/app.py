@@ -229,12 +229,14 @@ class OpenAIIngress:
             raise OpenAIError(400, str(e), param=field if field in type(body).model_fields else None) from None
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      priority: int) -> list[RequestStream]:
+                      priority: int, stream: bool) -> list[RequestStream]:
+        """One engine request per prompt. An unstreamed one (`stream` False) comes back as a single output at
+        its end, so the engine sends nothing, and the ingress wakes for nothing, while it runs."""
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.submit(GenerateRequest(rid, ids, params, priority)))
+                streams.append(await self.engine.submit(GenerateRequest(rid, ids, params, priority, stream=stream)))
         except EngineError as e:
             for s in streams:
                 s.close()
@@ -312,7 +314,7 @@ class OpenAIIngress:
         echo_lp = body.logprobs if body.echo and body.prompt_logprobs is None else None
         params = self._sampling_params(body, max_tokens, body.logprobs, info, echo_lp)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(request_id, prompts, params, body.priority)
+        streams = await self._submit(request_id, prompts, params, body.priority, body.stream)
         view = ResponseView(request_id, self.model_name, body.n, [len(p) for p in prompts], chat=False, logprobs=body.logprobs)
         if body.echo:
             view.echo([self._prompt_text(body.prompt, i, ids) for i, ids in enumerate(prompts)], prompts, echo_only,
@@ -334,7 +336,7 @@ class OpenAIIngress:
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self._sampling_params(body, max_tokens, k, info, plan=plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(request_id, [ids], params, body.priority)
+        streams = await self._submit(request_id, [ids], params, body.priority, body.stream)
         view = ResponseView(request_id, self.model_name, body.n, [len(ids)], chat=True, logprobs=k, tools=plan)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -65,7 +65,7 @@ class HandoffStream:
         rest = dataclasses.replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - 1,
                                    min_tokens=max(0, params.min_tokens - 1), prompt_logprobs=None)  # sent already
         decode_req = GenerateRequest(req.request_id, req.prompt_token_ids + list(c.token_ids), rest, req.priority,
-                                     kv_ticket=ticket)
+                                     kv_ticket=ticket, stream=req.stream)
         self._decode = await self._client.decode.submit(decode_req)
         self._client.confirm(prefill_replica, ticket.meta.request_id)
         async for out in self._decode:

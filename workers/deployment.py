@@ -149,7 +149,6 @@ class EngineWorker:
         finally:
             if self._in_flight.pop(rid, None) is not None:  # still running: the caller went away
                 self.loop.abort(rid)
-            self.metrics.forget(rid)  # after the abort is queued, so no later step emits for it
 
     def _admit(self, request: GenerateRequest) -> Rejected | None:
         """None to queue the request, else its refusal (the rule is in `workers/admission.py`)."""
@@ -322,7 +321,7 @@ class EngineWorker:
                  exports: dict[str, torch.Tensor]) -> None:
         """Runs on the engine thread once per step: metrics and KV offers here, delivery on the replica's
         event loop."""
-        self.metrics.observe_step(stats, outputs, time.monotonic())
+        self.metrics.observe_step(stats, outputs)
         tickets = {}
         for rid, payload in exports.items():
             start = time.monotonic()

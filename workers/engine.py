@@ -8,7 +8,7 @@ pass, and the output processor owns text, stop strings, logprobs and `RequestOut
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,7 @@ class EngineStats:
     num_pending_tokens: int = 0  # prompt (or recompute) tokens not yet computed: the prefill backlog
     num_kv_held: int = 0  # finished prefill-only requests whose blocks wait for their transfer
     num_kv_import_fallbacks: int = 0  # imports that found no free blocks and were recomputed instead
+    token_gaps: list[float] = field(default_factory=list)  # inter-token gaps (s) since the previous get_stats()
 
 
 def _load_predictor(path: str | None):
@@ -283,6 +284,8 @@ class Engine:
         self.runner.release([r.request_id for r in requests])
 
     def get_stats(self) -> EngineStats:
+        """The engine's counters now; `token_gaps` are those recorded since the previous call (each call takes
+        them, so one reader, the engine loop, should call it once per step)."""
         s, kv = self.scheduler, self.kv_cache
         return EngineStats(
             num_running=len(s.running),
@@ -298,4 +301,5 @@ class Engine:
             num_kv_held=len(s.held),
             num_kv_import_fallbacks=s.num_import_fallbacks,
             num_pending_tokens=s.num_pending_tokens,
+            token_gaps=self.outputs.take_token_gaps(),
         )

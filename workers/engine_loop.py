@@ -2,7 +2,8 @@
 
 Other threads never touch the engine. They hand requests and aborts to an inbox that the loop drains
 between steps, and receive each step's outputs (and engine errors) through one `publish` call per step,
-so the cost of crossing threads is paid per step, not per token. A request that the engine refuses or
+so the cost of crossing threads is paid per step, not per token. A streamed request has an output (its new
+tokens) in every step that gives it some; one that is answered whole has a single output, at its end. A request that the engine refuses or
 that breaks a step fails alone, with its error published; the loop and the other requests go on.
 
 The loop builds its engine, from a factory, on its own thread, so that one thread runs every parallel CPU
@@ -123,9 +124,9 @@ class EngineLoop:
             self.engine.release_kv(rid)
         for req, kv in adds:
             try:
+                kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
                 self.engine.add_request(req.request_id, None, req.params, prompt_token_ids=req.prompt_token_ids,
-                                        priority=req.priority, output_kind=OutputKind.DELTA, hold_kv=req.hold_kv,
-                                        kv_import=kv)
+                                        priority=req.priority, output_kind=kind, hold_kv=req.hold_kv, kv_import=kv)
             except ValueError as e:
                 errors[req.request_id] = RequestError(str(e))
             except Exception as e:  # a bug, not bad input: this request fails, the loop goes on
@@ -152,7 +153,8 @@ class EngineLoop:
         while not self._stopped:
             errors = self._drain_inbox()
             outputs: list[RequestOutput] = []
-            if self.engine.has_unfinished_requests():
+            stepped = self.engine.has_unfinished_requests()
+            if stepped:
                 try:
                     outputs = self.engine.step()
                     self.consecutive_failed_steps = 0
@@ -167,7 +169,7 @@ class EngineLoop:
             exports = {o.request_id: self.engine.export_kv(o.request_id) for o in outputs
                        if o.finished and self.engine.holds_kv(o.request_id)}
             self._set_stats(self.engine.get_stats())
-            if outputs or errors:
+            if stepped or errors:  # every step, outputs or not (a final-only request reports at its end)
                 self._safe_publish(outputs, errors, exports)
             elif not self.engine.has_unfinished_requests():
                 self._safe_publish([], {}, {})

@@ -19,6 +19,7 @@ class GenerateRequest:
     priority: int = 0
     hold_kv: bool = False  # prefill pool: keep the prompt's KV and publish a transfer ticket
     kv_ticket: Any = None  # decode pool: fetch the prompt's KV with this ticket instead of computing it
+    stream: bool = True  # False: the caller wants the whole answer only, so the request has one output, at its end
 
 
 @dataclass(slots=True)

@@ -5,8 +5,6 @@ Each replica keeps its own registry; the ingress scrapes every replica and merge
 
 from __future__ import annotations
 
-from collections import deque
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from workers.admission import ShedReason
@@ -21,7 +19,7 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 
 
 class EngineMetrics:
-    """Gauges and counters follow `EngineStats`; histograms follow the per-step outputs."""
+    """Gauges, counters and inter-token gaps follow `EngineStats`; the other histograms follow finished outputs."""
 
     def __init__(self, replica: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -69,10 +67,8 @@ class EngineMetrics:
                                      "one request's KV.", ["replica", "role", "transport"], buckets=_ITL_BUCKETS,
                                      registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
-        self._last_token_time: dict[str, float] = {}  # unfinished requests' latest token; engine thread only
-        self._ended: deque[str] = deque()  # requests that ended without a finished output (any thread appends)
 
-    def observe_step(self, stats: EngineStats, outputs: list[RequestOutput], now: float) -> None:
+    def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         last = self._last
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
@@ -89,17 +85,10 @@ class EngineMetrics:
             if delta:
                 self._success.labels(self._replica, reason).inc(delta)
         self._last = stats
+        for gap in stats.token_gaps:
+            self.itl.observe(gap)
         for out in outputs:
-            if not any(c.token_ids for c in out.outputs):
-                continue
-            prev = self._last_token_time.get(out.request_id)
-            if prev is not None:  # an output may carry several steps' tokens (stream_interval): one gap each
-                steps = max(len(c.token_ids) for c in out.outputs)
-                for _ in range(steps):
-                    self.itl.observe((now - prev) / steps)
-            self._last_token_time[out.request_id] = now
             if out.finished:
-                self._last_token_time.pop(out.request_id, None)
                 m = out.metrics
                 # Disaggregated: the prefill pool records TTFT and queue time, the decode pool the rest.
                 if not m.get("kv_handoff"):
@@ -109,8 +98,6 @@ class EngineMetrics:
                 self.ttft.observe(m["first_token_time"] - m["arrival_time"])
                 if m.get("first_scheduled_time") is not None:
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
-        while self._ended:
-            self._last_token_time.pop(self._ended.popleft(), None)
 
     def observe_kv_transfer(self, role: str, transport: str, nbytes: int, seconds: float) -> None:
         labels = (self._replica, role, transport)
@@ -120,12 +107,6 @@ class EngineMetrics:
 
     def observe_rejected(self, reason: ShedReason) -> None:
         self._rejected.labels(self._replica, reason.value).inc()
-
-    def forget(self, request_id: str) -> None:
-        """Drop the per-request state of a request that ended without a finished output (aborted or failed).
-        Safe from any thread: the state goes at the end of the next `observe_step`, after that step's outputs,
-        since the step running when the request was aborted may still emit a token for it."""
-        self._ended.append(request_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

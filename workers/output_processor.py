@@ -48,6 +48,7 @@ class _Group:
     kv_imported: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     counted_prompt: bool = False
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -67,6 +68,7 @@ class OutputProcessor:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()  # by finish reason; "handoff": a prefill replica's hand-off
+        self._token_gaps: list[float] = []  # seconds between a request's successive token steps, not yet taken
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -136,6 +138,9 @@ class OutputProcessor:
                 stopped.append(req)
         outputs = []
         for group in touched.values():
+            if group.last_token_time is not None:
+                self._token_gaps.append(now - group.last_token_time)
+            group.last_token_time = now
             if group.finished:
                 group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
                                  "first_token_time": group.first_token_time, "finished_time": now,
@@ -147,6 +152,13 @@ class OutputProcessor:
             if group.finished or self._due(group):
                 outputs.append(self._make_output(group))
         return outputs, stopped
+
+    def take_token_gaps(self) -> list[float]:
+        """The inter-token gaps recorded since the last call: one per request per step that gave it tokens
+        (after its first), whatever its output kind and `stream_interval`, so a request reported only at its
+        end still counts one gap per token step."""
+        gaps, self._token_gaps = self._token_gaps, []
+        return gaps
 
     def _due(self, group: _Group) -> bool:
         """Whether an unfinished request reports this step: cumulative ones every step; delta ones on their

@@ -60,6 +60,37 @@ def test_streams_greedy_tokens_equal_to_the_offline_engine(worker, tiny_model_di
     assert _idle(worker)
 
 
+def test_an_unstreamed_request_comes_back_whole_in_one_output(worker):
+    """`stream=False` (a non-streamed HTTP request): one output at the end with every token, the same tokens
+    as streamed, and the replica's inter-token latency still counts each of its gaps."""
+    prompt = list(range(100, 110))
+
+    async def run() -> tuple[list, list]:
+        client = LocalEngineClient(worker)
+        whole = await client.submit(GenerateRequest("whole", prompt, _request("", prompt, 12).params, stream=False))
+        streamed = await client.submit(_request("streamed", prompt, 12))
+
+        async def drain(stream) -> list:
+            return [out async for out in stream]
+
+        outs = await asyncio.wait_for(asyncio.gather(drain(whole), drain(streamed)), 60)
+        client.close()
+        return outs
+
+    itl_before = _itl_count(worker)
+    whole, streamed = asyncio.run(run())
+    assert len(whole) == 1 and whole[0].finished and len(streamed) > 1
+    assert whole[0].outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].token_ids]
+    assert len(whole[0].outputs[0].token_ids) == 12
+    assert _itl_count(worker) - itl_before == 2 * 11
+    assert _idle(worker)
+
+
+def _itl_count(worker: EngineWorker) -> float:
+    return worker.metrics.registry.get_sample_value("kvrelay:inter_token_latency_seconds_count",
+                                                    {"replica": worker.metrics._replica})
+
+
 def test_a_closed_stream_aborts_its_request_and_a_refusal_raises(worker):
     async def run() -> EngineError:
         client = LocalEngineClient(worker)

@@ -110,12 +110,11 @@ def test_disconnected_and_finished_requests_leave_no_per_request_state(make_work
             with pytest.raises(StopAsyncIteration):
                 await asyncio.wait_for(anext(g), 60)
         for _ in range(100):
-            if worker.load().num_running == 0 and not worker.metrics._last_token_time:
+            if worker.load().num_running == 0 and not worker.engine.outputs.request_ids:
                 break
             await asyncio.sleep(0.1)
         await sub.aclose()
 
     asyncio.run(run())
-    assert worker.metrics._last_token_time == {}
     assert worker._in_flight == {} and worker._subscribers == {}
     assert not worker.engine.outputs.request_ids and not worker.engine.scheduler.requests

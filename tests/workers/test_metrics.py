@@ -1,56 +1,83 @@
-"""The replica's per-request metric state must not outlive its requests: over a long run every
-disconnected or failed request would otherwise leave an entry behind (the soak's memory check)."""
+"""Inter-token latency is measured where tokens are made (the engine's output processor), once per request per
+step that gives it tokens, so it counts the same whether a request streams every step, every
+`stream_interval` steps, or is answered whole at its end; and no per-request state outlives its request."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.engine import EngineStats
+from workers.engine import Engine, EngineStats
 from workers.metrics import EngineMetrics
+from workers.output_processor import OutputKind
 from workers.outputs import CompletionOutput, RequestOutput
+from workers.sampling_params import SamplingParams
 
-IDLE = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
-
-
-def _token(request_id: str, finished: bool = False) -> RequestOutput:
-    metrics = {"arrival_time": 0.0, "first_token_time": 0.1, "finished_time": 0.2} if finished else {}
-    return RequestOutput(request_id, None, [], [CompletionOutput(0, "x", [7])], finished, metrics=metrics)
+MAX_TOKENS = 8
 
 
-def test_finished_requests_leave_no_state() -> None:
-    m = EngineMetrics("r0")
-    for i in range(50):
-        m.observe_step(IDLE, [_token(f"a{i}")], 1.0)
-        m.observe_step(IDLE, [_token(f"a{i}", finished=True)], 1.1)
-    assert m._last_token_time == {}
+def _engine(tiny_model_dir: str, interval: int = 1) -> Engine:
+    return Engine(model=tiny_model_dir, dtype="float32", num_kv_blocks=64, num_threads=1, stream_interval=interval)
 
 
-def test_request_aborted_while_a_step_runs_leaves_no_state() -> None:
-    """The caller goes away (abort queued, `forget` called) while the engine thread is in a step that
-    still emits a token for the request: that late output must not leave an entry behind."""
-    m = EngineMetrics("r0")
-    for i in range(50):
-        rid = f"d{i}"
-        m.observe_step(IDLE, [_token(rid)], 1.0)
-        m.forget(rid)  # from the replica's event loop, racing the engine thread
-        m.observe_step(IDLE, [_token(rid)], 1.1)  # the step that was in flight
-    m.observe_step(IDLE, [], 1.2)
-    assert m._last_token_time == {}
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
-def test_failed_requests_are_forgotten_and_itl_still_recorded() -> None:
-    m = EngineMetrics("r0")
-    m.observe_step(IDLE, [_token("f")], 1.0)
-    m.observe_step(IDLE, [_token("ok")], 1.0)
-    m.forget("f")  # failed in the engine: no finished output will come
-    m.observe_step(IDLE, [_token("ok")], 1.25)
-    assert m._last_token_time == {"ok": 1.25}
-    assert m.itl._sum.get() == 0.25
+def _run(engine: Engine, metrics: EngineMetrics) -> list[RequestOutput]:
+    outputs = []
+    while engine.has_unfinished_requests():
+        step = engine.step()
+        metrics.observe_step(engine.get_stats(), step)
+        outputs += step
+    return outputs
 
 
-def test_an_output_of_several_steps_counts_one_inter_token_gap_per_step() -> None:
-    """With `stream_interval` an output carries several steps' tokens: ITL stays per token."""
-    m = EngineMetrics("r0")
-    m.observe_step(IDLE, [_token("s")], 1.0)
-    m.observe_step(IDLE, [RequestOutput("s", None, [], [CompletionOutput(0, "abcd", [7, 8, 9, 10])], False)], 1.4)
-    assert m.itl._sum.get() == pytest.approx(0.4) and sum(b.get() for b in m.itl._buckets) == 4
+def _count(histogram) -> int:
+    return int(sum(b.get() for b in histogram._buckets))
+
+
+@pytest.mark.parametrize("kind,interval", [(OutputKind.DELTA, 1), (OutputKind.DELTA, 3), (OutputKind.FINAL_ONLY, 1),
+                                           (OutputKind.CUMULATIVE, 1)])
+def test_one_gap_per_token_step_whatever_the_output_kind(tiny_model_dir, kind, interval):
+    engine, metrics = _engine(tiny_model_dir, interval), EngineMetrics("r0")
+    engine.add_request("a", None, _params(), prompt_token_ids=[1, 5, 9, 200], output_kind=kind)
+    engine.add_request("b", None, _params(), prompt_token_ids=list(range(100, 130)), output_kind=kind)
+    outputs = _run(engine, metrics)
+    assert _count(metrics.itl) == 2 * (MAX_TOKENS - 1)
+    assert metrics.itl._sum.get() > 0
+    assert _count(metrics.ttft) == _count(metrics.e2e) == 2
+    if kind is OutputKind.FINAL_ONLY:
+        assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs] in (
+            [("a", MAX_TOKENS), ("b", MAX_TOKENS)], [("b", MAX_TOKENS), ("a", MAX_TOKENS)])
+
+
+def test_each_call_takes_the_gaps_once(tiny_model_dir):
+    engine = _engine(tiny_model_dir)
+    engine.add_request("a", None, _params(), prompt_token_ids=[1, 5, 9], output_kind=OutputKind.FINAL_ONLY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.get_stats().token_gaps) == MAX_TOKENS - 1
+    assert engine.get_stats().token_gaps == []
+
+
+def test_aborted_and_finished_requests_leave_no_state(tiny_model_dir):
+    engine, metrics = _engine(tiny_model_dir), EngineMetrics("r0")
+    for i in range(6):
+        engine.add_request(f"r{i}", None, _params(), prompt_token_ids=[3, 4, 5 + i], output_kind=OutputKind.DELTA)
+    engine.step()
+    engine.step()
+    engine.abort_request(["r0", "r3"])
+    _run(engine, metrics)
+    assert engine.outputs.request_ids == [] and engine.outputs._seq_of == {}
+    assert engine.get_stats().token_gaps == []
+
+
+def test_finished_outputs_feed_ttft_e2e_and_queue_time():
+    metrics = EngineMetrics("r0")
+    timing = {"arrival_time": 0.0, "first_scheduled_time": 0.05, "first_token_time": 0.1, "finished_time": 0.4}
+    done = RequestOutput("s", None, [], [CompletionOutput(0, "x", [7])], True, metrics=timing)
+    running = RequestOutput("t", None, [], [CompletionOutput(0, "x", [7])], False)
+    metrics.observe_step(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {}, token_gaps=[0.25, 0.5]), [done, running])
+    assert metrics.ttft._sum.get() == pytest.approx(0.1) and metrics.e2e._sum.get() == pytest.approx(0.4)
+    assert metrics.queue_time._sum.get() == pytest.approx(0.05)
+    assert metrics.itl._sum.get() == pytest.approx(0.75) and _count(metrics.itl) == 2

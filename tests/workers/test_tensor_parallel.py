@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from dataclasses import fields, replace
 
 import pytest
@@ -178,7 +177,7 @@ def _step_by_hand(engine: Engine, requests: dict[str, tuple[list[int], SamplingP
         trajectory.append((s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions - start.num_preemptions,
                            s.prompt_tokens - start.prompt_tokens, s.generation_tokens - start.generation_tokens))
         if metrics is not None:
-            metrics.observe_step(s, outputs, time.monotonic())
+            metrics.observe_step(s, outputs)
     return tokens, first, trajectory
 
 
@@ -249,7 +248,7 @@ def test_tp2_reports_the_metrics_of_one_process(tiny_tp1, tiny_tp2, make_prompts
     runs, moved = [], []
     for llm in (tiny_tp1, tiny_tp2):
         metrics = EngineMetrics("r0")
-        metrics.observe_step(llm.engine.get_stats(), [], time.monotonic())  # what earlier tests counted
+        metrics.observe_step(llm.engine.get_stats(), [])  # what earlier tests counted
         before = parse_metrics(metrics.render().decode())
         tokens, _, trajectory = _step_by_hand(llm.engine, requests, metrics)
         after = parse_metrics(metrics.render().decode())
