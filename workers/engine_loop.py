@@ -3,8 +3,9 @@
 Other threads never touch the engine. They hand requests and aborts to an inbox that the loop drains
 between steps, and receive each step's outputs (and engine errors) through one `publish` call per step,
 so the cost of crossing threads is paid per step, not per token. A streamed request has an output (its new
-tokens) in every step that gives it some; one that is answered whole has a single output, at its end. A request that the engine refuses or
-that breaks a step fails alone, with its error published; the loop and the other requests go on.
+tokens) in every step that gives it some; one that is answered whole has a single output, at its end. A
+request that the engine refuses or that breaks a step fails alone, with its error published; the loop and
+the other requests go on.
 
 The loop builds its engine, from a factory, on its own thread, so that one thread runs every parallel CPU
 kernel of the process, from the weight loading and warm-up on. libgomp keeps a pool of

@@ -7,13 +7,16 @@ so the requests it ends are handed back to the engine, which finishes them in th
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from workers.detokenizer import IncrementalDetokenizer
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
 from workers.prompt_logprobs import PromptLogprobsChunk
 from workers.request import Request, RequestStatus
+
+
+_MAX_UNTAKEN_GAPS = 1 << 16
 
 
 class OutputKind(enum.Enum):
@@ -68,7 +71,9 @@ class OutputProcessor:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[str] = Counter()  # by finish reason; "handoff": a prefill replica's hand-off
-        self._token_gaps: list[float] = []  # seconds between a request's successive token steps, not yet taken
+        # Seconds between a request's successive token steps, not yet taken. The engine loop takes them every
+        # step; a reader that never does (the offline `LLM`) keeps only the latest.
+        self._token_gaps: deque[float] = deque(maxlen=_MAX_UNTAKEN_GAPS)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
@@ -157,7 +162,8 @@ class OutputProcessor:
         """The inter-token gaps recorded since the last call: one per request per step that gave it tokens
         (after its first), whatever its output kind and `stream_interval`, so a request reported only at its
         end still counts one gap per token step."""
-        gaps, self._token_gaps = self._token_gaps, []
+        gaps = list(self._token_gaps)
+        self._token_gaps.clear()
         return gaps
 
     def _due(self, group: _Group) -> bool:

@@ -60,6 +60,17 @@ def test_each_call_takes_the_gaps_once(tiny_model_dir):
     assert engine.get_stats().token_gaps == []
 
 
+def test_gaps_nobody_takes_stay_bounded(tiny_model_dir, monkeypatch):
+    """The offline `LLM` never calls get_stats(): its untaken gaps keep only the latest, not one per token."""
+    monkeypatch.setattr("workers.output_processor._MAX_UNTAKEN_GAPS", 5)
+    engine = _engine(tiny_model_dir)
+    for i in range(3):
+        engine.add_request(f"r{i}", None, _params(), prompt_token_ids=[3, 4, 5 + i], output_kind=OutputKind.FINAL_ONLY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.get_stats().token_gaps) == 5
+
+
 def test_aborted_and_finished_requests_leave_no_state(tiny_model_dir):
     engine, metrics = _engine(tiny_model_dir), EngineMetrics("r0")
     for i in range(6):
