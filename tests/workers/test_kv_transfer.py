@@ -1,35 +1,23 @@
-"""KV transfer between engine replicas: pack/unpack across different block tables, layout checks, the
-object-store and gloo transports between two Ray actors, and the cuda_ipc transport's tickets on CPU
-(shared memory) within a process and across processes."""
+"""KV transfer between engine replicas: pack/unpack across different block tables, layout checks, and the
+object-store and gloo transports between two Ray actors. The cuda_ipc transport's tests are in
+test_kv_transfer_cuda_ipc.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import hashlib
 import os
-import pickle
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+import kv_transfer_helpers
 import torch
+from kv_transfer_helpers import HEAD_DIM, HEADS, LAYERS, bits, make_cache, offer
 
-from workers.kv_transfer import (KVLayout, KVSender, KVTransferError, KVTransferMeta, make_receiver, make_sender,
-                                 pack_kv, resolve_transport, unpack_kv)
-from workers.kv_transfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, CudaIpcTicket
-from workers.kv_transfer.ipc_share import Place
+from workers.kv_transfer import (KVLayout, KVTransferError, KVTransferMeta, make_receiver, make_sender, pack_kv,
+                                 resolve_transport, unpack_kv)
 from workers.kv_transfer.p2p import P2PReceiver, P2PSender
-
-LAYERS, HEADS, HEAD_DIM = 3, 2, 8
-
-
-def _cache(num_blocks: int, block_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(LAYERS, 2, num_blocks, block_size, HEADS, HEAD_DIM, generator=gen).to(dtype)
 
 
 def _reference_pack(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
@@ -39,37 +27,33 @@ def _reference_pack(kv_cache: torch.Tensor, block_ids: list[int], num_tokens: in
     return torch.stack(tokens, dim=2)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_pack_unpack_round_trip_across_block_tables(block_size, dtype):
     num_tokens = 37  # not a multiple of 16
     needed = -(-num_tokens // block_size)
-    src = _cache(needed + 5, block_size, dtype, seed=0)
-    dst = _cache(needed + 9, block_size, dtype, seed=1)
+    src = make_cache(needed + 5, block_size, dtype, seed=0)
+    dst = make_cache(needed + 9, block_size, dtype, seed=1)
     src_ids = torch.randperm(needed + 5, generator=torch.Generator().manual_seed(2))[:needed].tolist()
     dst_ids = torch.randperm(needed + 9, generator=torch.Generator().manual_seed(3))[:needed].tolist()
     before = dst.clone()
 
     payload = pack_kv(src, src_ids, num_tokens)
     assert payload.shape == (LAYERS, 2, num_tokens, HEADS, HEAD_DIM) and payload.is_contiguous()
-    assert torch.equal(_bits(payload), _bits(_reference_pack(src, src_ids, num_tokens)))
+    assert torch.equal(bits(payload), bits(_reference_pack(src, src_ids, num_tokens)))
     unpack_kv(dst, dst_ids, num_tokens, payload)
 
-    assert torch.equal(_bits(pack_kv(dst, dst_ids, num_tokens)), _bits(payload))
+    assert torch.equal(bits(pack_kv(dst, dst_ids, num_tokens)), bits(payload))
     unused = [b for b in range(dst.shape[2]) if b not in dst_ids]
-    assert torch.equal(_bits(dst[:, :, unused]), _bits(before[:, :, unused]))
+    assert torch.equal(bits(dst[:, :, unused]), bits(before[:, :, unused]))
     tail = num_tokens % block_size
     if tail:  # the last block's slots past the request's tokens stay as they were
         last = dst_ids[needed - 1]
-        assert torch.equal(_bits(dst[:, :, last, tail:]), _bits(before[:, :, last, tail:]))
+        assert torch.equal(bits(dst[:, :, last, tail:]), bits(before[:, :, last, tail:]))
 
 
 def test_unpack_rejects_wrong_shape_dtype_and_short_block_table():
-    cache = _cache(4, 16, torch.bfloat16, seed=0)
+    cache = make_cache(4, 16, torch.bfloat16, seed=0)
     payload = pack_kv(cache, [0, 1], 20)
     with pytest.raises(ValueError, match="does not fit"):
         unpack_kv(cache, [2, 3], 21, payload)
@@ -82,10 +66,10 @@ def test_unpack_rejects_wrong_shape_dtype_and_short_block_table():
 
 
 def test_layout_check_compatible_names_every_difference():
-    prefill = KVLayout.of(_cache(2, 16, torch.bfloat16, seed=0), "m")
+    prefill = KVLayout.of(make_cache(2, 16, torch.bfloat16, seed=0), "m")
     assert prefill == KVLayout("m", LAYERS, HEADS, HEAD_DIM, 16, "torch.bfloat16")
-    prefill.check_compatible(KVLayout.of(_cache(7, 16, torch.bfloat16, seed=1), "m"))
-    decode = KVLayout.of(_cache(2, 32, torch.float32, seed=0), "m")
+    prefill.check_compatible(KVLayout.of(make_cache(7, 16, torch.bfloat16, seed=1), "m"))
+    decode = KVLayout.of(make_cache(2, 32, torch.float32, seed=0), "m")
     with pytest.raises(ValueError) as info:
         prefill.check_compatible(decode)
     assert str(info.value) == ("prefill and decode pools differ: block_size 16 vs 32, "
@@ -141,20 +125,13 @@ def _transport_threads() -> dict[str, int]:
     return counts
 
 
-def _offer(sender: KVSender, cache: torch.Tensor, request_id: str):
-    """Offer a request's payload; returns a copy of it (the offered tensor may be the sender's) and the ticket."""
-    payload = pack_kv(cache, [0, 1], 20)
-    meta = KVTransferMeta(request_id, 20, KVLayout.of(cache, "m"), sender.transport, payload.nbytes)
-    return payload.clone(), sender.offer(request_id, payload, meta)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts native threads in /proc")
 def test_gloo_close_stops_every_thread_and_drops_the_pairs():
-    cache = _cache(4, 16, torch.float32, seed=0)
+    cache = make_cache(4, 16, torch.float32, seed=0)
     before = _transport_threads()
     sender, receiver = P2PSender("gloo", host="127.0.0.1", timeout_s=10), P2PReceiver("gloo", host="127.0.0.1")
     for rid in ("a", "b"):
-        payload, ticket = _offer(sender, cache, rid)
+        payload, ticket = offer(sender, cache, rid)
         assert torch.equal(receiver.fetch(ticket, timeout_s=10), payload)
     running = _transport_threads()
     assert running["kv-sender"] == before["kv-sender"] + 1
@@ -166,8 +143,8 @@ def test_gloo_close_stops_every_thread_and_drops_the_pairs():
     assert _transport_threads() == before
     assert not receiver._pairs and not receiver._sender_locks and not sender._groups and not sender._payloads
 
-    _, ticket = _offer(sender, cache, "c")  # a closed sender starts afresh; a gone one fails the fetch
-    receiver.fetch(_offer(sender, cache, "d")[1], timeout_s=10)
+    _, ticket = offer(sender, cache, "c")  # a closed sender starts afresh; a gone one fails the fetch
+    receiver.fetch(offer(sender, cache, "d")[1], timeout_s=10)
     sender.close()
     with pytest.raises(KVTransferError):
         receiver.fetch(ticket, timeout_s=1)
@@ -176,151 +153,14 @@ def test_gloo_close_stops_every_thread_and_drops_the_pairs():
     assert _transport_threads() == before
 
 
-ROOT = Path(__file__).resolve().parents[2]
-FETCH_IN_CHILD = """
-import hashlib, pickle, sys
-import torch
-from workers.kv_transfer.cuda_ipc import CudaIpcReceiver
-payload = CudaIpcReceiver(torch.device(sys.argv[1])).fetch(pickle.load(sys.stdin.buffer))
-assert payload.device.type == sys.argv[1]
-print(hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
-"""
-
-
-def _digest(payload: torch.Tensor) -> str:
-    return hashlib.sha256(payload.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _fetch_in_child(ticket: CudaIpcTicket, device: str) -> str:
-    """Fetch the ticket in a fresh Python process on `device`; returns the payload's digest."""
-    child = subprocess.run([sys.executable, "-c", FETCH_IN_CHILD, device], input=pickle.dumps(ticket), cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
-    assert child.returncode == 0, child.stderr.decode()[-2000:]
-    return child.stdout.decode().strip()
-
-
-def _shm_file(ticket: CudaIpcTicket) -> Path:
-    return Path("/dev/shm") / ticket.handle.filename.decode().lstrip("/")
-
-
-def test_cuda_ipc_round_trip_in_one_process():
-    cache = _cache(4, 16, torch.bfloat16, seed=0)
-    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
-    payload, ticket = _offer(sender, cache, "a")
-    assert len(pickle.dumps(ticket)) < 2048
-    fetched = receiver.fetch(pickle.loads(pickle.dumps(ticket)))
-    assert torch.equal(_bits(fetched), _bits(payload))
-
-    with pytest.raises(KVTransferError, match="no KV payload of request 'a'.*already fetched"):
-        receiver.fetch(ticket)
-    payload, ticket = _offer(sender, cache, "b")
-    out = torch.empty_like(payload)
-    assert receiver.fetch(ticket, out=out) is out and torch.equal(_bits(out), _bits(payload))
-    with pytest.raises(ValueError, match="already has a KV payload on offer"):
-        _offer(sender, cache, "b")
-    assert sender.stats()["transfers"] == 2
-    assert receiver.stats()["transfers"] == 2 and receiver.stats()["errors"] == 1
-    sender.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for the shared-memory file in /dev/shm")
-def test_cuda_ipc_round_trip_across_processes():
-    cache = _cache(4, 16, torch.bfloat16, seed=0)
-    sender = CudaIpcSender()
-    payload, ticket = _offer(sender, cache, "a")
-    assert _fetch_in_child(ticket, "cpu") == _digest(payload)
-    assert _shm_file(ticket).exists() and not os.path.exists(ticket.claim)  # claimed, but still kept
-    sender.release("a")
-    assert not _shm_file(ticket).exists()  # the child unmapped it; the sender's release freed it
-    sender.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="looks for the shared-memory file in /dev/shm")
-def test_cuda_ipc_release_and_close_free_the_kept_payloads():
-    cache = _cache(4, 16, torch.float32, seed=0)
-    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
-    tickets = {rid: _offer(sender, cache, rid)[1] for rid in ("a", "b", "c")}
-    assert all(_shm_file(t).exists() and os.path.exists(t.claim) for t in tickets.values())
-
-    sender.release("a")
-    sender.release("a")  # releasing twice, or an unknown request, is a no-op
-    sender.release("nope")
-    assert not _shm_file(tickets["a"]).exists() and not os.path.exists(tickets["a"].claim)
-    with pytest.raises(KVTransferError, match="no KV payload of request 'a'"):
-        receiver.fetch(tickets["a"])
-    receiver.fetch(tickets["b"])
-
-    sender.close()
-    assert not sender._offers
-    for ticket in tickets.values():
-        assert not _shm_file(ticket).exists() and not os.path.exists(ticket.claim)
-    with pytest.raises(KVTransferError, match="no KV payload of request 'c'"):
-        receiver.fetch(tickets["c"])
-    payload, ticket = _offer(sender, cache, "d")  # a closed sender offers afresh
-    assert torch.equal(receiver.fetch(ticket), payload)
-    sender.close()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_ipc_on_one_gpu_hands_over_and_frees_every_share():
-    cache = _cache(4, 16, torch.bfloat16, seed=0).cuda()
-    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cuda"))
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    payload, ticket = _offer(sender, cache, "a")
-    assert _fetch_in_child(ticket, "cuda") == _digest(payload)
-    _, unfetched = _offer(sender, cache, "b")
-    payload_c, local = _offer(sender, cache, "c")
-    assert torch.equal(_bits(receiver.fetch(local)), _bits(payload_c))  # same process: no IPC mapping
-    del payload, payload_c
-    sender.release("a")
-    sender.release("b")
-    sender.release("c")
-    torch.cuda.ipc_collect()
-    assert torch.cuda.memory_allocated() == before  # fetched or not, no share stays held
-    sender.close()
-
-
-def test_cuda_ipc_refuses_a_ticket_from_another_device():
-    cache = _cache(4, 16, torch.float32, seed=0)
-    sender, receiver = CudaIpcSender(), CudaIpcReceiver(torch.device("cpu"))
-    payload, ticket = _offer(sender, cache, "a")
-    other_gpu = dataclasses.replace(ticket, place=Place(ticket.place.host, "GPU-6f1c0e44-other"))
-    other_host = dataclasses.replace(ticket, place=Place("elsewhere/boot", "cpu"))
-    for foreign in (other_gpu, other_host):
-        with pytest.raises(KVTransferError, match="hands KV over only within one GPU"):
-            receiver.fetch(foreign)
-    assert torch.equal(receiver.fetch(ticket), payload)  # a refusal does not use the ticket up
-    with pytest.raises(ValueError, match="a cuda_ipc ticket cannot be fetched by a gloo receiver"):
-        P2PReceiver("gloo").fetch(ticket)
-    sender.close()
-
-
-def test_cuda_ipc_with_a_fallback_fetches_other_devices_tickets_point_to_point():
-    cache = _cache(4, 16, torch.float32, seed=0)
-    sender = CudaIpcSender(fallback=P2PSender("gloo", host="127.0.0.1", timeout_s=10))
-    receiver = CudaIpcReceiver(torch.device("cpu"), fallback=P2PReceiver("gloo", host="127.0.0.1"))
-    assert sender.transport == receiver.transport == "cuda_ipc+gloo"
-    payload, ticket = _offer(sender, cache, "a")
-    assert ticket.fallback.meta.transport == "gloo"
-    assert torch.equal(receiver.fetch(ticket, timeout_s=10), payload)  # same place: shared memory
-
-    payload, ticket = _offer(sender, cache, "b")
-    elsewhere = dataclasses.replace(ticket, place=Place(ticket.place.host, "GPU-6f1c0e44-other"))
-    assert torch.equal(receiver.fetch(elsewhere, timeout_s=10), payload)  # another place: gloo
-    assert os.path.exists(ticket.claim)  # the IPC share stays until released
-    sender.release("b")
-    sender.release("a")
-    assert not os.path.exists(ticket.claim) and not sender._fallback._payloads and not sender._offers
-    receiver.close()
-    sender.close()
-
-
 @pytest.fixture(scope="module")
 def ray_cluster(ray_session):
-    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
+    modules = [sys.modules[__name__], kv_transfer_helpers]  # workers cannot import these test modules
+    for module in modules:
+        ray_session.cloudpickle.register_pickle_by_value(module)
     yield ray_session
-    ray_session.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    for module in modules:
+        ray_session.cloudpickle.unregister_pickle_by_value(module)
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +172,7 @@ class Engine:
     """An engine stand-in holding one KV cache and both ends of a transport."""
 
     def __init__(self, transport: str, seed: int) -> None:
-        self.cache = _cache(40, 16, torch.bfloat16, seed)
+        self.cache = make_cache(40, 16, torch.bfloat16, seed)
         self.layout = KVLayout.of(self.cache, "test-model")
         self.sender = make_sender(transport)
         self.receiver = make_receiver(transport)
@@ -381,7 +221,7 @@ class Engine:
 
 def _assert_same_tokens(ray, a, a_ids, b, b_ids, num_tokens):
     sent, got = ray.get([a.tokens.remote(a_ids, num_tokens), b.tokens.remote(b_ids, num_tokens)])
-    assert torch.equal(_bits(sent), _bits(got))
+    assert torch.equal(bits(sent), bits(got))
 
 
 @pytest.mark.parametrize("transport", ["object_store", "gloo"])
