@@ -1,5 +1,6 @@
 """The machine's ceilings, measured in the same run as a benchmark so that its results can be read as fractions
-of them on any host: the matmul rate at the model's own layer shapes (many rows: the compute roofline; one row,
+of them on any host: the matmul rate at the model's own layer shapes (many rows, the faster of `F.linear` and
+oneDNN's packed weights: the compute roofline; one row,
 over every layer's own weights: the GEMV view of decode), memory read bandwidth, and the 2048³ bf16 matmul
 that earlier notes quote. A few seconds in all on a small model."""
 
@@ -51,6 +52,9 @@ class Ceilings:
     reference_gflops_1_thread: float
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # per model matmul at `rows` rows over weights packed in oneDNN's blocked layout (bfloat16 on a CPU with
+    # oneDNN: what the engine's `prepack_weights` reads); `matmul_gflops` is the better of this and F.linear
+    matmul_gflops_packed: dict[str, float] = field(default_factory=dict)
 
     @property
     def dtype_bytes(self) -> int:
@@ -146,6 +150,8 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
     import torch
     import torch.nn.functional as F
 
+    from kernels.layer_ops import linear_packed, packable
+
     if rows < 1 or read_bytes < 1 or reference_size < 1:
         raise ValueError("rows, read_bytes and reference_size must be positive")
     threads = threads or os.cpu_count() or 1
@@ -160,11 +166,19 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
         return torch.empty(*size, dtype=dt, device=device).uniform_(-0.05, 0.05)
 
     with torch.inference_mode(), _Threads(threads):
-        best, median = {}, {}
+        best, median, packed = {}, {}, {}
         for m in shape.matmuls:
             x, w = uniform(rows, m.in_features), uniform(m.out_features, m.in_features)
             best[m.name], median[m.name] = (r / 1e9 for r in _rate(rows * m.flops_per_row,
                                                                    _times(lambda: F.linear(x, w), sync)))
+            if not on_cuda and packable(w):
+                p = torch.ops.mkldnn._reorder_linear_weight(w, None)
+                rate, rate_median = (r / 1e9 for r in _rate(rows * m.flops_per_row,
+                                                            _times(lambda: linear_packed(x, p, None), sync)))
+                packed[m.name] = rate
+                if rate > best[m.name]:
+                    best[m.name], median[m.name] = rate, rate_median
+                del p
         layer_flops = sum(m.flops_per_row * m.per_token for m in shape.layer_matmuls)
         layer_seconds = sum(m.flops_per_row * m.per_token / (best[m.name] * 1e9) for m in shape.layer_matmuls)
         gemv_gbs, forward_s = _gemv(shape, uniform, sync, torch_dtype)
@@ -185,7 +199,8 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
                     lm_head_gflops=best["lm_head"], gemv_gbs=gemv_gbs, gemv_forward_ms=forward_s * 1000,
                     read_gbs=read, read_gbs_median=read_median, read_gbs_1_thread=read_1,
                     read_gbs_1_thread_median=read_1_median, read_bytes=nbytes, reference_gflops=reference,
-                    reference_gflops_1_thread=reference_1, seconds=time.perf_counter() - start, notes=notes)
+                    reference_gflops_1_thread=reference_1, seconds=time.perf_counter() - start, notes=notes,
+                    matmul_gflops_packed=packed)
 
 
 def _gemv(shape: ModelShape, uniform: Callable[..., Any], sync: Callable[[], None], torch_dtype: Any,

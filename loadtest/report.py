@@ -239,10 +239,11 @@ def ceilings_text(ceilings: dict[str, Any]) -> str:
     flags = ", ".join(f"{f} {'yes' if c['cpu']['flags'].get(f) else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
     per_shape = ", ".join(f"{k} {v:,.0f}" for k, v in c["matmul_gflops"].items() if k != "lm_head")
     gemv = ", ".join(f"{k} {v:,.1f}" for k, v in c["gemv_gbs"].items())
+    packed = ", the faster of F.linear and packed weights" if c.get("matmul_gflops_packed") else ""
     title = (f"Ceilings of this machine ({c['cpu']['model_name']}, {flags}; {c['threads']} thread{'s' if c['threads'] != 1 else ''}, {c['dtype']}, "
              f"{c['device']}; load average {c['loadavg'][0]:.1f} at the measurement; {c['seconds']:.1f} s):")
     rows = [
-        [f"matmul at the model's layer shapes, {c['rows']} rows", f"{c['layer_gflops']:,.0f} GFLOP/s ({per_shape})"],
+        [f"matmul at the model's layer shapes, {c['rows']} rows{packed}", f"{c['layer_gflops']:,.0f} GFLOP/s ({per_shape})"],
         [f"LM head matmul, {c['rows']} rows", f"{c['lm_head_gflops']:,.0f} GFLOP/s"],
         ["bf16 2048³ matmul", f"{c['reference_gflops']:,.0f} GFLOP/s (1 thread {c['reference_gflops_1_thread']:,.0f})"],
         ["every matmul at 1 row (GEMV), each layer its own weights",

@@ -5,11 +5,12 @@ The engine does this in its own process; under tensor parallelism each rank does
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from kernels.attention import AttentionBackend, get_attention_backend
-from kernels.layer_ops import get_layer_ops
+from kernels.layer_ops import CppLayerOps, get_layer_ops, packable
 from workers.config import EngineConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -25,7 +26,20 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     attn = get_attention_backend(config.attention_backend, device)
     # The compiled layer ops come from the same build as the compiled attention: both or neither.
     model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
+    if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, model.linear_weights()):
+        model.ops.prepack(model.linear_weights())
     return model, attn
+
+
+def should_prepack(option: bool | None, weights: list[torch.Tensor], memory_bytes: int | None = None) -> bool:
+    """`prepack_weights`: True or False as given; None (auto) packs when the copy of the packable weights
+    fits in an eighth of the machine's memory."""
+    if option is not None:
+        return option
+    size = sum(w.nbytes for w in dict.fromkeys(weights) if packable(w))
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 0 < size <= memory_bytes // 8
 
 
 def profile_kv_budget(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, dtype: torch.dtype,

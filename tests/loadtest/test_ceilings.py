@@ -26,6 +26,9 @@ def test_every_ceiling_is_measured_and_positive(dtype: str) -> None:
     for per_shape in (c.matmul_gflops, c.matmul_gflops_median, c.gemv_gbs):
         assert set(per_shape) == MATMULS and all(v > 0 for v in per_shape.values())
     assert c.lm_head_gflops == c.matmul_gflops["lm_head"]
+    # bfloat16 also times oneDNN's packed weights (what `prepack_weights` reads); the ceiling is the faster
+    assert set(c.matmul_gflops_packed) == (MATMULS if dtype == "bfloat16" else set())
+    assert all(c.matmul_gflops[k] >= v > 0 for k, v in c.matmul_gflops_packed.items())
     # the layers' rate is a FLOP-weighted mix of theirs, so it lies between the slowest and the fastest
     layer_rates = [c.matmul_gflops[m.name] for m in TINY.layer_matmuls]
     assert min(layer_rates) <= c.layer_gflops * (1 + 1e-9) and c.layer_gflops <= max(layer_rates) * (1 + 1e-9)

@@ -167,6 +167,12 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.tp.gather_last_dim(ops.linear(h, head), self.args.vocab_size)
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight that `forward` passes to `ops.linear`: each layer's qkv, o_proj, gate_up and down, and
+        the LM head (the embedding when tied)."""
+        weights = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return weights + [self.embed_tokens if self.lm_head is None else self.lm_head]
+
     @functools.cached_property
     def _decode_stack(self) -> DecodeStack:
         """The layers' weights for `ops.decode_layers`, gathered on first use. It holds the Parameters

@@ -1,0 +1,56 @@
+"""`prepack_weights`: when the engine gives the linear layers a packed copy, and that it changes no token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_kernels import needs_compiled_kernels
+from conftest import write_tiny_model
+from kernels import layer_ops
+from workers.engine import Engine
+from workers.model_setup import should_prepack
+from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
+
+
+def test_auto_packs_when_the_copy_fits_an_eighth_of_memory():
+    weights = [torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)]
+    size = 64 * 64 * 2 + 32 * 64 * 2
+    assert should_prepack(None, weights + weights[:1], memory_bytes=8 * size)  # a weight counts once
+    assert not should_prepack(None, weights, memory_bytes=8 * size - 8)
+    assert not should_prepack(None, [torch.zeros(64, 64)], memory_bytes=1 << 40)  # float32: nothing to pack
+    assert should_prepack(True, [], memory_bytes=0) and not should_prepack(False, weights, memory_bytes=1 << 40)
+
+
+def _run(model: str, prepack: bool | None, prompts: list[list[int]]) -> tuple[dict, int]:
+    engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=512, num_threads=2, attention_backend="cpp",
+                    prepack_weights=prepack)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=3 + i % 9, temperature=0, ignore_eos=True, logprobs=3)
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt, output_kind=OutputKind.FINAL_ONLY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            done[out.request_id] = (c.token_ids, [{k: v.logprob for k, v in lp.items()} for lp in c.logprobs])
+    assert engine.get_stats().kv_cache_usage == 0
+    return done, len(getattr(engine.model.ops, "_packed", {}))
+
+
+@needs_compiled_kernels
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a qkv bias and an untied LM head
+def test_prepacked_weights_give_the_same_tokens_and_logprobs(kind, tmp_path, default_model_dir, monkeypatch):
+    model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
+    gen = torch.Generator().manual_seed(2)
+    # 60 prompts of up to 70 tokens: prefill steps and decode steps past the GEMV's rows take the packed copy
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 70, (60,), generator=gen)]
+    real, rows = layer_ops.linear_packed, []
+    monkeypatch.setattr(layer_ops, "linear_packed", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    packed, count = _run(model, True, prompts)
+    took = len(rows)
+    plain, none = _run(model, False, prompts)
+    assert took > 0 and len(rows) == took and min(rows) > layer_ops.GEMV_MAX_ROWS
+    layers = 2  # write_tiny_model's
+    assert (count, none) == (4 * layers + 1, 0)  # qkv, o_proj, gate_up, down per layer, and the LM head
+    assert packed == plain
