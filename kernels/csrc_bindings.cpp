@@ -16,6 +16,7 @@ void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, to
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor pack_vnni_bf16(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows);
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
@@ -35,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [rows, 2n] -> [rows, n]");
   m.def("gemv_bf16", &gemv_bf16, "x [M, K] @ W[N, K]^T (+ bias) for a few rows, bfloat16",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("pack_vnni_bf16", &pack_vnni_bf16, "W [N, K] -> [N/16, K/2, 16, 2], the layout gemv_bf16 reads fastest",
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of a few bfloat16 rows",

@@ -9,6 +9,7 @@
 #include <vector>
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+int64_t gemv_out_features(const torch::Tensor& w);
 void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -19,7 +20,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 constexpr int64_t kWeightsPerLayer = 7;  // qkv, qkv bias (empty: none), o_proj, post norm, gate_up, down, next norm
 
 // x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
-// holds kWeightsPerLayer tensors per layer ("next norm": the next layer's input norm, the final norm for the
+// holds kWeightsPerLayer tensors per layer (the matrices plain or VNNI-packed, as `gemv_bf16` takes them) ("next norm": the next layer's input norm, the final norm for the
 // last layer); `caches` the K and V cache of each layer. Returns the last layer's output norm.
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
@@ -41,8 +42,8 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
     const torch::Tensor& k_cache = caches[2 * i];
     const torch::Tensor& v_cache = caches[2 * i + 1];
     const int64_t d = k_cache.size(3);
-    TORCH_CHECK(w[0].size(0) == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", w[0].size(0), " rows, not ",
-                (nh + 2 * kvh) * d);
+    TORCH_CHECK(gemv_out_features(w[0]) == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", gemv_out_features(w[0]),
+                " rows, not ", (nh + 2 * kvh) * d);
     const c10::optional<torch::Tensor> bias = w[1].numel() > 0 ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
     const torch::Tensor qkv = gemv_bf16(h, w[0], bias);
     const torch::Tensor qk = qkv.narrow(1, 0, (nh + kvh) * d).view({t, nh + kvh, d});

@@ -5,9 +5,9 @@ with one interface.
 fused in the compiled CPU kernels (`kernels/csrc_layer_ops.cpp`): one pass over memory per op instead of
 one per torch expression, no temporaries. Its `linear` runs bfloat16 layers over a few rows (decode) with
 the compiled GEMV (`kernels/csrc_gemv_bf16.cpp`), which streams the weights at memory bandwidth where
-oneDNN reads them at a fraction of it. Above that, `prepack` gives each layer's weights a second copy in
-oneDNN's blocked layout, which the larger steps (prefill, big decode batches) then read with the same bits
-as `F.linear` and without its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they
+oneDNN reads them at a fraction of it. `prepack` gives each layer's weights two more copies: one in the
+GEMV's own pair-interleaved layout, and one in oneDNN's blocked layout, which the larger steps (prefill, big
+decode batches) then read with the same bits as `F.linear` and without its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they
 build."""
 
 from __future__ import annotations
@@ -98,14 +98,23 @@ class CppLayerOps(TorchLayerOps):
         self._ext = load_extension()
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None
         self.gemv_max_rows = gemv_max_rows
+        # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacks: dict[int, tuple[DecodeStack, list[torch.Tensor]]] = {}
 
-    def prepack(self, weights: list[torch.Tensor]) -> int:
-        """Give each bfloat16 CPU weight a copy in oneDNN's blocked layout, which `linear` reads for more
-        than `gemv_max_rows` rows. oneDNN reorders a plain weight on every `F.linear` call; with the copy
-        it reads the blocked one directly, 5-25% faster at SmolLM2-135M's shapes on a 2-core Zen 4 for
-        33-2048 rows (docs/benchmarks.md), with the same bits (checked here on each shape; a mismatch
-        packs nothing). Costs the weights' memory once more. Returns the bytes packed."""
+    def prepack(self, weights: list[torch.Tensor], vnni: bool = True) -> int:
+        """Give each bfloat16 CPU weight two more copies, one per kind of step; returns the bytes they take.
+
+        - Up to `gemv_max_rows` rows, the GEMV's own layout (`pack_vnni_bf16`: pairs of columns of 16 rows
+          side by side), which it reads with no horizontal sums: 25-65% faster than the row-major GEMV at
+          8-32 rows, the same at 1-4. Weights whose rows are not a multiple of 16 keep the row-major GEMV.
+        - Past them, oneDNN's blocked layout. oneDNN reorders a plain weight on every `F.linear` call; with
+          the copy it reads the blocked one directly, 5-25% faster for 33-2048 rows, with the same bits
+          (checked here on each shape; a mismatch makes no copies at all).
+
+        Both measured at SmolLM2-135M's shapes on a 2-core Zen 4 (docs/benchmarks.md). `vnni=False` makes
+        only oneDNN's copy."""
         weights = [w for w in dict.fromkeys(weights) if packable(w)]
         if not weights:
             return 0
@@ -121,8 +130,25 @@ class CppLayerOps(TorchLayerOps):
                 warnings.warn(f"oneDNN's packed weights gave other bits than F.linear for {tuple(w.shape)}; "
                               "not prepacking", stacklevel=2)
                 return 0
-        self._packed = packed
-        return sum(w.nbytes for w in weights)
+        copies = {}
+        if vnni and self._gemv is not None:
+            copies = {id(w): (w, self._ext.pack_vnni_bf16(w.detach())) for w in weights
+                    if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
+        self._packed, self._vnni, self._stacks = packed, copies, {}
+        return sum(w.nbytes for w in weights) + sum(w.nbytes for w, _ in copies.values())
+
+    def _stack_weights(self, stack: DecodeStack) -> list[torch.Tensor]:
+        """`stack.weights` with each matrix that has a VNNI copy replaced by it (made once per stack)."""
+        if not self._vnni:
+            return stack.weights
+        cached = self._stacks.get(id(stack))
+        if cached is None or cached[0] is not stack:
+            swapped = []
+            for w in stack.weights:
+                entry = self._vnni.get(id(w))
+                swapped.append(entry[1] if entry is not None and entry[0] is w else w)
+            cached = self._stacks[id(stack)] = (stack, swapped)
+        return cached[1]
 
     def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
         """A decode-only step of at most `gemv_max_rows` bfloat16 rows through the compiled attention: the
@@ -136,18 +162,22 @@ class CppLayerOps(TorchLayerOps):
             return None
         dec = meta.decodes
         caches = [c for kv in kv_caches for c in kv]
-        return self._ext.decode_layers_bf16(x, h, stack.weights, caches, *rope, meta.slot_mapping,
+        return self._ext.decode_layers_bf16(x, h, self._stack_weights(stack), caches, *rope, meta.slot_mapping,
                                             dec.block_tables, dec.context_lens, stack.num_heads, stack.num_kv_heads,
                                             stack.eps, stack.head_dim ** -0.5)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
         AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another order, so
-        a rare output is one bfloat16 step apart. Above that, the weight's packed copy if `prepack` made
-        one; `F.linear` for anything else (decided in C++)."""
-        if self._packed and x.shape[0] > self.gemv_max_rows and x.dim() == 2:
-            entry = self._packed.get(id(weight))
-            if entry is not None and entry[0] is weight and x.dtype == weight.dtype:
+        a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
+        `gemv_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in
+        C++)."""
+        if self._packed and x.dim() == 2 and x.dtype == weight.dtype:
+            small = x.shape[0] <= self.gemv_max_rows
+            entry = (self._vnni if small else self._packed).get(id(weight))
+            if entry is not None and entry[0] is weight:
+                if small:
+                    return self._ext.linear_bf16(x, entry[1], bias, self.gemv_max_rows)
                 return linear_packed(x, entry[1], bias)
         return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows)
 

@@ -32,14 +32,14 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
 
 
 def should_prepack(option: bool | None, weights: list[torch.Tensor], memory_bytes: int | None = None) -> bool:
-    """`prepack_weights`: True or False as given; None (auto) packs when the copy of the packable weights
-    fits in an eighth of the machine's memory."""
+    """`prepack_weights`: True or False as given; None (auto) packs when the two copies of the packable
+    weights (`CppLayerOps.prepack`) fit in an eighth of the machine's memory."""
     if option is not None:
         return option
     size = sum(w.nbytes for w in dict.fromkeys(weights) if packable(w))
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0 < size <= memory_bytes // 8
+    return 0 < 2 * size <= memory_bytes // 8
 
 
 def profile_kv_budget(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, dtype: torch.dtype,

@@ -144,3 +144,75 @@ def test_linear_falls_back_to_torch_for_other_dtypes():
         x, w, b = (t.to(dtype) for t in _data(1, 40, 24, seed=7))
         assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))
         assert CPP.linear(x, w, b).dtype == dtype
+
+
+# The VNNI layout (`pack_vnni_bf16`): N a multiple of 16, K even.
+VNNI_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (16, 2), (48, 34), (32, 4094)]
+
+
+@needs_bf16
+def test_vnni_layout():
+    """[N/16, K/2, 16, 2]: block b, column pair q, row 16b + j, column 2q + t."""
+    w = torch.arange(48 * 6, dtype=torch.float32).view(48, 6).to(torch.bfloat16)
+    p = CPP._ext.pack_vnni_bf16(w)
+    assert p.shape == (3, 3, 16, 2) and p.is_contiguous()
+    assert torch.equal(p, w.view(3, 16, 3, 2).permute(0, 2, 1, 3))
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", VNNI_SHAPES)
+def test_vnni_matches_a_float64_reference(n, k, bias):
+    """Every row count up to the GEMV's (tiles of 8 rows and their remainders), each output within a step of
+    the exact value; and integers, where the sums are exact, bit for bit."""
+    for m in (*range(1, 18), 23, GEMV_MAX_ROWS):
+        x, w, b = _data(m, n, k, seed=n + k + m)
+        b = b if bias else None
+        p = CPP._ext.pack_vnni_bf16(w)
+        y = CPP._gemv(x, p, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
+        _within_one_step(y, x, w, b)
+        xi, wi, bi = _data(m, n, k, seed=m, integers=True)
+        assert torch.equal(CPP._gemv(xi, CPP._ext.pack_vnni_bf16(wi), bi if bias else None),
+                           _reference(xi, wi, bi if bias else None))
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", [16, 48, 160, 1024, 2064])
+def test_vnni_the_same_outputs_however_the_blocks_are_split(n):
+    """Threads split the blocks of 16 rows and read three side by side, the rest one at a time: each output
+    equals its block computed alone, with one thread or two, and a row of x computed alone."""
+    x, w, b = _data(11, n, 64, seed=n)
+    p = CPP._ext.pack_vnni_bf16(w)
+    alone = torch.cat([CPP._gemv(x, p[i:i + 1], b[16 * i:16 * i + 16]) for i in range(n // 16)], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(CPP._gemv(x, p, b), alone)
+            assert torch.equal(torch.cat([CPP._gemv(x[i:i + 1], p, b) for i in range(11)]), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_bf16
+def test_vnni_strided_rows_and_bad_inputs():
+    x, w, b = _data(3, 64, 96, seed=4)
+    p = CPP._ext.pack_vnni_bf16(w)
+    assert torch.equal(CPP._gemv(x.t().contiguous().t(), p, b), CPP._gemv(x, p, b))  # columns apart: copied
+    wide = torch.zeros(3, 200, dtype=torch.bfloat16)
+    wide[:, 10:106] = x
+    assert torch.equal(CPP._gemv(wide[:, 10:106], p, b), CPP._gemv(x, p, b))
+    assert CPP._gemv(x[:0], p).shape == (0, 64)
+    with pytest.raises(RuntimeError, match="multiple of 16 and K even"):
+        CPP._ext.pack_vnni_bf16(w[:40].contiguous())
+    with pytest.raises(RuntimeError, match="multiple of 16 and K even"):
+        CPP._ext.pack_vnni_bf16(torch.zeros(16, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        CPP._ext.pack_vnni_bf16(w.float())
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        CPP._gemv(x[:, :64].contiguous(), p)
+    with pytest.raises(RuntimeError, match="bias"):
+        CPP._gemv(x, p, b[:16])
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        CPP._ext.linear_bf16(torch.zeros(5, 96, dtype=torch.bfloat16), p, None, 4)

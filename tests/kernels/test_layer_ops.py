@@ -94,34 +94,42 @@ def test_selection():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_is_f_linear_bit_for_bit(bias):
+def test_prepacked_linear(bias):
     """Past the GEMV's rows a prepacked weight's linear is `F.linear`'s, bit for bit; up to them the GEMV
-    still runs on the plain weight, and weights that were not packed take the old path."""
+    reads the VNNI copy where the weight's rows are a multiple of 16, else the plain weight; weights that
+    were not packed take the old path."""
     ops = CppLayerOps(gemv_max_rows=8)
     gen = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 96, generator=gen).to(torch.bfloat16)
-    b = torch.randn(200, generator=gen).to(torch.bfloat16) if bias else None
+    w = torch.randn(208, 96, generator=gen).to(torch.bfloat16)
+    odd = torch.randn(200, 96, generator=gen).to(torch.bfloat16)  # no VNNI copy
+    b = torch.randn(208, generator=gen).to(torch.bfloat16) if bias else None
     other = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
-    assert ops.prepack([w, w, torch.randn(4, 4)]) == w.nbytes  # duplicates and float32 are skipped
-    assert ops._packed.keys() == {id(w)}
+    # duplicates and float32 are skipped; w gets two copies, odd one
+    assert ops.prepack([w, w, odd, torch.randn(4, 4)]) == 2 * w.nbytes + odd.nbytes
+    assert ops._packed.keys() == {id(w), id(odd)} and ops._vnni.keys() == {id(w)}
+    plain = CppLayerOps(gemv_max_rows=8)
     for rows in (9, 40, 513):
         x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
         assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+        assert torch.equal(ops.linear(x, odd), torch.nn.functional.linear(x, odd))
         assert torch.equal(ops.linear(x, other), torch.nn.functional.linear(x, other))
-    x = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
-    assert torch.equal(ops.linear(x, w, b), CppLayerOps(gemv_max_rows=8).linear(x, w, b))
+    for rows in (1, 5, 8):
+        x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+        vnni = ops._ext.pack_vnni_bf16(w)
+        assert torch.equal(ops.linear(x, w, b), ops._gemv(x, vnni, b))
+        assert torch.equal(ops.linear(x, odd), plain.linear(x, odd))
     assert ops.prepack([]) == 0 and CppLayerOps().prepack([torch.randn(8, 8)]) == 0
 
 
-def test_prepacked_copy_is_used(monkeypatch):
-    """The packed copy, not the plain weight, is what a large step reads: zeroing the plain weight after
-    packing leaves the large step's output as it was."""
+def test_prepacked_copies_are_used():
+    """The copies, not the plain weight, are what the steps read: zeroing the plain weight after packing
+    leaves both a large and a small step's output as they were."""
     ops = CppLayerOps(gemv_max_rows=4)
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
     x = torch.randn(20, 32, generator=gen).to(torch.bfloat16)
-    want = torch.nn.functional.linear(x, w)
+    want, want_small = torch.nn.functional.linear(x, w), ops.linear(x[:4], w)
     ops.prepack([w])
     w.zero_()
     assert torch.equal(ops.linear(x, w), want)
-    assert not ops.linear(x[:4], w).any()
+    assert torch.equal(ops.linear(x[:4], w), want_small) and want_small.any()

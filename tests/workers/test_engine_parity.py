@@ -55,7 +55,9 @@ def test_batch_invariance(default_model_dir, make_prompts):
     assert batched[3].outputs[0].token_ids == alone
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 64}], ids=["defaults", "chunked-64"])
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 64}, {"prepack_weights": True},
+                                     {"prepack_weights": False}],
+                         ids=["defaults", "chunked-64", "prepacked", "not-prepacked"])
 def test_bfloat16_logprobs_match_transformers(default_model_dir, make_prompts, options):
     """Teacher-forced: transformers (bfloat16, SDPA) scores the tokens our engine generated. Prompt chunks
     and decodes both run through the compiled bfloat16 attention here. Measured on this machine: mean

@@ -14,16 +14,16 @@ from workers.output_processor import OutputKind
 from workers.sampling_params import SamplingParams
 
 
-def test_auto_packs_when_the_copy_fits_an_eighth_of_memory():
+def test_auto_packs_when_both_copies_fit_an_eighth_of_memory():
     weights = [torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)]
-    size = 64 * 64 * 2 + 32 * 64 * 2
+    size = 2 * (64 * 64 * 2 + 32 * 64 * 2)
     assert should_prepack(None, weights + weights[:1], memory_bytes=8 * size)  # a weight counts once
     assert not should_prepack(None, weights, memory_bytes=8 * size - 8)
     assert not should_prepack(None, [torch.zeros(64, 64)], memory_bytes=1 << 40)  # float32: nothing to pack
     assert should_prepack(True, [], memory_bytes=0) and not should_prepack(False, weights, memory_bytes=1 << 40)
 
 
-def _run(model: str, prepack: bool | None, prompts: list[list[int]]) -> tuple[dict, int]:
+def _run(model: str, prepack: bool, prompts: list[list[int]]) -> tuple[dict, int]:
     engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=512, num_threads=2, attention_backend="cpp",
                     prepack_weights=prepack)
     for i, prompt in enumerate(prompts):
@@ -40,17 +40,31 @@ def _run(model: str, prepack: bool | None, prompts: list[list[int]]) -> tuple[di
 
 @needs_compiled_kernels
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a qkv bias and an untied LM head
-def test_prepacked_weights_give_the_same_tokens_and_logprobs(kind, tmp_path, default_model_dir, monkeypatch):
+def test_prepacked_weights_are_read_and_onednns_copy_changes_no_bit(kind, tmp_path, default_model_dir, monkeypatch):
+    """With `prepack_weights`, steps past the GEMV's rows read oneDNN's copy and the compiled decode steps
+    the VNNI copies. oneDNN's copy alone (no VNNI copies) gives every token and logprob of the plain
+    weights, bit for bit. The VNNI GEMV sums in another order than the row-major one, so its outputs are
+    checked per kernel (tests/kernels/test_gemv_bf16.py) and against transformers on the real model
+    (tests/workers/test_engine_parity.py)."""
     model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
     gen = torch.Generator().manual_seed(2)
-    # 60 prompts of up to 70 tokens: prefill steps and decode steps past the GEMV's rows take the packed copy
+    # 60 prompts of up to 70 tokens: prefill steps and decode steps past the GEMV's rows take oneDNN's copy
     prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 70, (60,), generator=gen)]
-    real, rows = layer_ops.linear_packed, []
-    monkeypatch.setattr(layer_ops, "linear_packed", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
-    packed, count = _run(model, True, prompts)
-    took = len(rows)
-    plain, none = _run(model, False, prompts)
-    assert took > 0 and len(rows) == took and min(rows) > layer_ops.GEMV_MAX_ROWS
+    real_packed, rows = layer_ops.linear_packed, []
+    monkeypatch.setattr(layer_ops, "linear_packed", lambda x, *a: rows.append(x.shape[0]) or real_packed(x, *a))
+    real_stack, stacks = layer_ops.CppLayerOps._stack_weights, []
+    monkeypatch.setattr(layer_ops.CppLayerOps, "_stack_weights",
+                        lambda self, stack: stacks.append(sum(w.dim() == 4 for w in real_stack(self, stack)))
+                        or real_stack(self, stack))
+    _, count = _run(model, True, prompts)
     layers = 2  # write_tiny_model's
-    assert (count, none) == (4 * layers + 1, 0)  # qkv, o_proj, gate_up, down per layer, and the LM head
-    assert packed == plain
+    assert count == 4 * layers + 1  # qkv, o_proj, gate_up, down per layer, and the LM head
+    assert rows and min(rows) > layer_ops.GEMV_MAX_ROWS
+    assert stacks and set(stacks) == {4 * layers}  # every compiled decode step read the layers' VNNI copies
+
+    real_prepack = layer_ops.CppLayerOps.prepack
+    monkeypatch.setattr(layer_ops.CppLayerOps, "prepack", lambda self, w: real_prepack(self, w, vnni=False))
+    onednn_only, _ = _run(model, True, prompts)
+    plain, none = _run(model, False, prompts)
+    assert none == 0
+    assert onednn_only == plain
