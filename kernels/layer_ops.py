@@ -25,6 +25,11 @@ from kernels.attention import AttentionBackend, AttentionMetadata
 # (docs/benchmarks.md): the GEMV takes 0.38-0.46x F.linear's time at 8 rows, 0.55-0.59x at 16, 0.59-0.75x at
 # 24, 0.72-0.90x at 32, 0.78-0.91x at 40 and 0.83-1.01x at 64; prefill steps take oneDNN.
 GEMV_MAX_ROWS = 32
+# Over the VNNI copies that `CppLayerOps.prepack` makes, the same layers, two rounds on one host: the GEMV
+# 1.5-1.8x F.linear at 16-32 rows, 1.3-1.4x oneDNN's packed copy at 48-64, 1.0-1.15x at 96-256, and even at
+# 512-2048 (docs/benchmarks.md). Up to this many rows a step reads the VNNI copy; past it oneDNN, which on
+# CPUs with AMX has tiles of its own for large matmuls.
+VNNI_MAX_ROWS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +97,12 @@ class TorchLayerOps:
 class CppLayerOps(TorchLayerOps):
     name = "cpp"
 
-    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS) -> None:
+    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS, vnni_max_rows: int = VNNI_MAX_ROWS) -> None:
         from kernels.cpu_extension import load_extension
 
         self._ext = load_extension()
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None
-        self.gemv_max_rows = gemv_max_rows
+        self.gemv_max_rows, self.vnni_max_rows = gemv_max_rows, max(gemv_max_rows, vnni_max_rows)
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -106,9 +111,10 @@ class CppLayerOps(TorchLayerOps):
     def prepack(self, weights: list[torch.Tensor], vnni: bool = True) -> int:
         """Give each bfloat16 CPU weight two more copies, one per kind of step; returns the bytes they take.
 
-        - Up to `gemv_max_rows` rows, the GEMV's own layout (`pack_vnni_bf16`: pairs of columns of 16 rows
+        - Up to `vnni_max_rows` rows, the GEMV's own layout (`pack_vnni_bf16`: pairs of columns of 16 rows
           side by side), which it reads with no horizontal sums: 25-65% faster than the row-major GEMV at
-          8-32 rows, the same at 1-4. Weights whose rows are not a multiple of 16 keep the row-major GEMV.
+          8-32 rows, the same at 1-4, and faster than oneDNN up to 128. Weights whose rows are not a
+          multiple of 16 keep the row-major GEMV up to `gemv_max_rows`.
         - Past them, oneDNN's blocked layout. oneDNN reorders a plain weight on every `F.linear` call; with
           the copy it reads the blocked one directly, 5-25% faster for 33-2048 rows, with the same bits
           (checked here on each shape; a mismatch makes no copies at all).
@@ -125,7 +131,7 @@ class CppLayerOps(TorchLayerOps):
             if tuple(w.shape) in checked:
                 continue
             checked.add(tuple(w.shape))
-            x = torch.randn(self.gemv_max_rows + 3, w.shape[1], generator=g).to(w.dtype)
+            x = torch.randn(self.vnni_max_rows + 3, w.shape[1], generator=g).to(w.dtype)
             if not torch.equal(linear_packed(x, p, None), F.linear(x, w)):
                 warnings.warn(f"oneDNN's packed weights gave other bits than F.linear for {tuple(w.shape)}; "
                               "not prepacking", stacklevel=2)
@@ -150,13 +156,19 @@ class CppLayerOps(TorchLayerOps):
             cached = self._stacks[id(stack)] = (stack, swapped)
         return cached[1]
 
+    @property
+    def decode_max_rows(self) -> int:
+        """The most rows a decode step runs through `decode_layers`: `vnni_max_rows` once `prepack` has made
+        the VNNI copies, else `gemv_max_rows`."""
+        return self.vnni_max_rows if self._vnni else self.gemv_max_rows
+
     def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
-        """A decode-only step of at most `gemv_max_rows` bfloat16 rows through the compiled attention: the
+        """A decode-only step of at most `decode_max_rows` bfloat16 rows through the compiled attention: the
         same kernels in the same order as the layer loop (so the same numbers), with the Python between
         them run once per step instead of once per op (`kernels/csrc_decode_layers.cpp`)."""
         from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
 
-        if (self._gemv is None or x.shape[0] > self.gemv_max_rows or not isinstance(attn, CppPagedAttention)
+        if (self._gemv is None or x.shape[0] > self.decode_max_rows or not isinstance(attn, CppPagedAttention)
                 or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)
                 or meta.chunks is not None or meta.decodes is None):
             return None
@@ -170,14 +182,15 @@ class CppLayerOps(TorchLayerOps):
         """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
         AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another order, so
         a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
-        `gemv_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in
+        `vnni_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in
         C++)."""
         if self._packed and x.dim() == 2 and x.dtype == weight.dtype:
-            small = x.shape[0] <= self.gemv_max_rows
-            entry = (self._vnni if small else self._packed).get(id(weight))
+            rows = x.shape[0]
+            entry = self._vnni.get(id(weight)) if rows <= self.vnni_max_rows else None
             if entry is not None and entry[0] is weight:
-                if small:
-                    return self._ext.linear_bf16(x, entry[1], bias, self.gemv_max_rows)
+                return self._ext.linear_bf16(x, entry[1], bias, self.vnni_max_rows)
+            entry = self._packed.get(id(weight)) if rows > self.gemv_max_rows else None
+            if entry is not None and entry[0] is weight:
                 return linear_packed(x, entry[1], bias)
         return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows)
 

@@ -98,7 +98,7 @@ def test_prepacked_linear(bias):
     """Past the GEMV's rows a prepacked weight's linear is `F.linear`'s, bit for bit; up to them the GEMV
     reads the VNNI copy where the weight's rows are a multiple of 16, else the plain weight; weights that
     were not packed take the old path."""
-    ops = CppLayerOps(gemv_max_rows=8)
+    ops = CppLayerOps(gemv_max_rows=8, vnni_max_rows=8)
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(208, 96, generator=gen).to(torch.bfloat16)
     odd = torch.randn(200, 96, generator=gen).to(torch.bfloat16)  # no VNNI copy
@@ -107,7 +107,7 @@ def test_prepacked_linear(bias):
     # duplicates and float32 are skipped; w gets two copies, odd one
     assert ops.prepack([w, w, odd, torch.randn(4, 4)]) == 2 * w.nbytes + odd.nbytes
     assert ops._packed.keys() == {id(w), id(odd)} and ops._vnni.keys() == {id(w)}
-    plain = CppLayerOps(gemv_max_rows=8)
+    plain = CppLayerOps(gemv_max_rows=8, vnni_max_rows=8)
     for rows in (9, 40, 513):
         x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
         assert torch.equal(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
@@ -124,7 +124,7 @@ def test_prepacked_linear(bias):
 def test_prepacked_copies_are_used():
     """The copies, not the plain weight, are what the steps read: zeroing the plain weight after packing
     leaves both a large and a small step's output as they were."""
-    ops = CppLayerOps(gemv_max_rows=4)
+    ops = CppLayerOps(gemv_max_rows=4, vnni_max_rows=4)
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
     x = torch.randn(20, 32, generator=gen).to(torch.bfloat16)
@@ -133,3 +133,20 @@ def test_prepacked_copies_are_used():
     w.zero_()
     assert torch.equal(ops.linear(x, w), want)
     assert torch.equal(ops.linear(x[:4], w), want_small) and want_small.any()
+
+
+def test_vnni_copies_take_rows_up_to_their_own_limit():
+    """With VNNI copies the GEMV takes up to `vnni_max_rows` rows (oneDNN's copy above), and so does the
+    compiled decode stack; weights without a VNNI copy keep the row-major GEMV's limit."""
+    ops = CppLayerOps(gemv_max_rows=4, vnni_max_rows=12)
+    gen = torch.Generator().manual_seed(5)
+    w, odd = (torch.randn(n, 32, generator=gen).to(torch.bfloat16) for n in (48, 40))
+    assert ops.decode_max_rows == 4
+    ops.prepack([w, odd])
+    assert ops.decode_max_rows == 12
+    vnni = ops._ext.pack_vnni_bf16(w)
+    for rows in (3, 12, 13):
+        x = torch.randn(rows, 32, generator=gen).to(torch.bfloat16)
+        want = ops._gemv(x, vnni) if rows <= 12 else torch.nn.functional.linear(x, w)
+        assert torch.equal(ops.linear(x, w), want)
+        assert torch.equal(ops.linear(x, odd), ops._gemv(x, odd) if rows <= 4 else torch.nn.functional.linear(x, odd))

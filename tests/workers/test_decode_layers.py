@@ -23,7 +23,10 @@ def _bf16_kernels() -> bool:
 
 
 def _run(model: str, prompts: list[list[int]]) -> dict[str, tuple[list[int], list]]:
-    engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp")
+    # not prepacked: the stack then takes at most GEMV_MAX_ROWS rows (tests/workers/test_model_setup_prepack.py
+    # runs it over the VNNI copies)
+    engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp",
+                    prepack_weights=False)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=2 + i % 15, temperature=0, ignore_eos=True, logprobs=3)
         engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt, output_kind=OutputKind.FINAL_ONLY)

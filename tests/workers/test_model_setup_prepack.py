@@ -48,19 +48,26 @@ def test_prepacked_weights_are_read_and_onednns_copy_changes_no_bit(kind, tmp_pa
     (tests/workers/test_engine_parity.py)."""
     model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
     gen = torch.Generator().manual_seed(2)
-    # 60 prompts of up to 70 tokens: prefill steps and decode steps past the GEMV's rows take oneDNN's copy
-    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 70, (60,), generator=gen)]
+    # 150 prompts of up to 70 tokens: prefill steps and decode steps past the VNNI GEMV's rows take oneDNN's
+    # copy, smaller ones the VNNI copies (up to VNNI_MAX_ROWS rows, beyond the row-major GEMV's)
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 70, (150,), generator=gen)]
     real_packed, rows = layer_ops.linear_packed, []
     monkeypatch.setattr(layer_ops, "linear_packed", lambda x, *a: rows.append(x.shape[0]) or real_packed(x, *a))
-    real_stack, stacks = layer_ops.CppLayerOps._stack_weights, []
-    monkeypatch.setattr(layer_ops.CppLayerOps, "_stack_weights",
-                        lambda self, stack: stacks.append(sum(w.dim() == 4 for w in real_stack(self, stack)))
-                        or real_stack(self, stack))
+    real_stack, stacks = layer_ops.CppLayerOps.decode_layers, []
+
+    def stack(self, x, h, stack, *args):
+        out = real_stack(self, x, h, stack, *args)
+        if out is not None:
+            stacks.append((x.shape[0], sum(w.dim() == 4 for w in self._stack_weights(stack))))
+        return out
+
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", stack)
     _, count = _run(model, True, prompts)
     layers = 2  # write_tiny_model's
     assert count == 4 * layers + 1  # qkv, o_proj, gate_up, down per layer, and the LM head
-    assert rows and min(rows) > layer_ops.GEMV_MAX_ROWS
-    assert stacks and set(stacks) == {4 * layers}  # every compiled decode step read the layers' VNNI copies
+    assert rows and min(rows) > layer_ops.VNNI_MAX_ROWS
+    assert {n for _, n in stacks} == {4 * layers}  # every compiled decode step read the layers' VNNI copies
+    assert max(r for r, _ in stacks) > layer_ops.GEMV_MAX_ROWS
 
     real_prepack = layer_ops.CppLayerOps.prepack
     monkeypatch.setattr(layer_ops.CppLayerOps, "prepack", lambda self, w: real_prepack(self, w, vnni=False))
