@@ -26,9 +26,9 @@ from kernels.attention import AttentionBackend, AttentionMetadata
 # 24, 0.72-0.90x at 32, 0.78-0.91x at 40 and 0.83-1.01x at 64; prefill steps take oneDNN.
 GEMV_MAX_ROWS = 32
 # Over the VNNI copies that `CppLayerOps.prepack` makes, the same layers, two rounds on one host: the GEMV
-# 1.5-1.8x F.linear at 16-32 rows, 1.3-1.4x oneDNN's packed copy at 48-64, 1.0-1.15x at 96-256, and even at
-# 512-2048 (docs/benchmarks.md). Up to this many rows a step reads the VNNI copy; past it oneDNN, which on
-# CPUs with AMX has tiles of its own for large matmuls.
+# 1.9-2.6x F.linear at 16-32 rows, 1.1-1.4x oneDNN's packed copy at 48-64, 1.0-1.2x at 96-256, and
+# 0.85-1.2x at 512-2048 (docs/benchmarks.md). Up to this many rows a step reads the VNNI copy; past it
+# oneDNN, which on CPUs with AMX has tiles of its own for large matmuls.
 VNNI_MAX_ROWS = 128
 
 
@@ -113,7 +113,7 @@ class CppLayerOps(TorchLayerOps):
 
         - Up to `vnni_max_rows` rows, the GEMV's own layout (`pack_vnni_bf16`: pairs of columns of 16 rows
           side by side), which it reads with no horizontal sums: 25-65% faster than the row-major GEMV at
-          8-32 rows, the same at 1-4, and faster than oneDNN up to 128. Weights whose rows are not a
+          16-32 rows, the same at 1-4, and faster than oneDNN up to 128. Weights whose rows are not a
           multiple of 16 keep the row-major GEMV up to `gemv_max_rows`.
         - Past them, oneDNN's blocked layout. oneDNN reorders a plain weight on every `F.linear` call; with
           the copy it reads the blocked one directly, 5-25% faster for 33-2048 rows, with the same bits

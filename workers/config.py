@@ -59,7 +59,7 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch threads for the engine (split among tensor-parallel ranks); "
                                          "default: all cores.")
     prepack_weights: bool | None = _opt(None, "CPU, bfloat16: keep two more copies of the linear layers' weights, "
-                                              "one in the decode GEMV's own layout (25-65% faster at 8-32 rows) "
+                                              "one in the decode GEMV's own layout (25-65% faster at 16-32 rows) "
                                               "and one in oneDNN's blocked layout for larger steps (the same bits, "
                                               "5-25% faster), at twice the weights' memory. Default: on when "
                                               "both fit in an eighth of the machine's memory.")

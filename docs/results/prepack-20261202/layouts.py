@@ -4,7 +4,9 @@ memory), 2 threads, median of 5, GFLOP/s, for four ways of running x[M, K] @ W^T
   vnni      the compiled GEMV on the VNNI copy (pack_vnni_bf16)
   flinear   F.linear (oneDNN, reordering the plain weight on each call)
   packed    oneDNN over its blocked copy (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise)
-Run from the repository root: python docs/results/prepack-20261202/layouts.py [ROUNDS]"""
+Run from the repository root: python docs/results/prepack-20261202/layouts.py [ROUNDS [ROWS ...]]
+(layouts-1-512-rows.txt: `layouts.py 2`, when the VNNI GEMV was timed up to 128 rows only;
+layouts-96-2048-rows.txt: `layouts.py 2 96 128 192 256 512` and `layouts.py 2 1024 2048`, vnni and packed.)"""
 import sys, time, torch
 import torch.nn.functional as F
 torch.set_num_threads(2)
@@ -19,7 +21,7 @@ copies = {"gemv": plain, "flinear": plain,
           "packed": [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in lw] for lw in plain]}
 call = {"gemv": ext.gemv_bf16, "vnni": ext.gemv_bf16, "flinear": F.linear, "packed": lambda x, w: linear_packed(x, w, None)}
 flop_row = 2 * sum(n * k for n, k in shapes) * 30
-ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 128, 512)
+ROWS = tuple(int(a) for a in sys.argv[2:]) or (1, 4, 8, 16, 24, 32, 48, 64, 128, 512)
 def med(fn, reps=5):
     fn(); ts = []
     for _ in range(reps):
@@ -30,7 +32,7 @@ for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
     for kind in ("gemv", "vnni", "flinear", "packed"):
         rates = []
         for m in ROWS:
-            if kind in ("gemv", "vnni") and m > 128:
+            if kind == "gemv" and m > 128:
                 rates.append("-"); continue
             a = torch.randn(m, 576).to(torch.bfloat16); b = torch.randn(m, 1536).to(torch.bfloat16)
             f = call[kind]
