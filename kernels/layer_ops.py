@@ -6,9 +6,9 @@ fused in the compiled CPU kernels (`kernels/csrc_layer_ops.cpp`): one pass over 
 one per torch expression, no temporaries. Its `linear` runs bfloat16 layers over a few rows (decode) with
 the compiled GEMV (`kernels/csrc_gemv_bf16.cpp`), which streams the weights at memory bandwidth where
 oneDNN reads them at a fraction of it. `prepack` gives each layer's weights two more copies: one in the
-GEMV's own pair-interleaved layout, and one in oneDNN's blocked layout, which the larger steps (prefill, big
-decode batches) then read with the same bits as `F.linear` and without its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they
-build."""
+GEMV's own pair-interleaved layout, which steps of up to 128 rows then read, and one in oneDNN's blocked
+layout, which larger steps (prefill) read with the same bits as `F.linear` and without its per-call
+reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ class CppLayerOps(TorchLayerOps):
                                             stack.eps, stack.head_dim ** -0.5)
 
     def linear(self, x, weight, bias=None):
-        """The compiled GEMV for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
+        """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
         AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another order, so
         a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
         `vnni_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in

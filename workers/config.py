@@ -61,7 +61,7 @@ class EngineConfig:
     prepack_weights: bool | None = _opt(None, "CPU, bfloat16: keep two more copies of the linear layers' weights, "
                                               "one in the decode GEMV's own layout (25-65% faster at 16-32 rows) "
                                               "and one in oneDNN's blocked layout for larger steps (the same bits, "
-                                              "5-25% faster), at twice the weights' memory. Default: on when "
+                                              "5-25% faster), at twice the weights' memory; default: on when "
                                               "both fit in an eighth of the machine's memory.")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
     stream_interval: int = _opt(1, "Streamed requests: send a request's first token at once, then its new tokens "

@@ -5,6 +5,7 @@ The engine does this in its own process; under tensor parallelism each rank does
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -19,6 +20,8 @@ from workers.sizing import gpu_kv_budget, num_kv_blocks
 from workers.structured_output import StructuredOutputManager
 from workers.tensor_parallel import Partition, TPShard
 
+logger = logging.getLogger(__name__)
+
 
 def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.dtype, device: torch.device,
                 max_model_len: int, tp: TPShard = TPShard()) -> tuple[LlamaForCausalLM, AttentionBackend]:
@@ -27,7 +30,9 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     # The compiled layer ops come from the same build as the compiled attention: both or neither.
     model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
     if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, model.linear_weights()):
-        model.ops.prepack(model.linear_weights())
+        packed = model.ops.prepack(model.linear_weights())
+        logger.info("prepacked the linear layers' weights: %.0f MiB more (--no-prepack-weights saves it)",
+                    packed / 2**20)
     return model, attn
 
 

@@ -208,11 +208,11 @@ def test_autoscaling_adds_a_replica_that_serves(deploy_app):
                 while len(pending) < 8:
                     pending.add(asyncio.create_task(_post(session, url, body)))
                 done, pending = await asyncio.wait(pending, timeout=1.0)
-                assert all(t.result()[0] == 200 for t in done)
+                assert all(t.result()[0] == 200 for t in done), [t.result()[:2] for t in done if t.result()[0] != 200]
             # both replicas take the next burst
             more = [asyncio.create_task(_post(session, url, body)) for _ in range(8)]
             results = await asyncio.gather(*pending, *more)
-            assert all(r[0] == 200 for r in results)
+            assert all(r[0] == 200 for r in results), [r[:2] for r in results if r[0] != 200]
 
     asyncio.run(sustained_load())
     assert replicas_running() == 2
