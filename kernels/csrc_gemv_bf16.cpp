@@ -9,8 +9,8 @@
 // one such load with a broadcast pair of x adds that pair's two products into 16 outputs at once, so a tile
 // keeps 8 x rows x 3 blocks of outputs in registers and needs no horizontal sums and no scattered stores at
 // the end. Over K = 576 those ends cost the row-major tiles about half their time past 8 rows. Each output
-// is still one float32 sum in the order of k, as oneDNN sums it, so the bits are F.linear's. `gemv_bf16`
-// takes either layout.
+// is still one float32 sum in the order of k: on a Zen 4, 3 outputs in 100,000 differed from F.linear's
+// by a rounding at SmolLM2-135M's shapes. `gemv_bf16` takes either layout.
 //
 // `linear_bf16` is what the layer ops call: the GEMV where it applies (at most `max_rows` rows, bfloat16,
 // contiguous rows, CPU), else `at::linear`; deciding here costs one call from Python instead of a dozen
@@ -161,7 +161,7 @@ inline void vnni_rows(int64_t M, const uint16_t* x, int64_t ldx, const uint16_t*
 }
 
 // Measured on the 2-core Zen 4 guest, every layer of SmolLM2-135M from memory, 2 threads, against the
-// row-major tiles: the same at 1-4 rows, +10-35% at 8, +25-50% at 16, +55-65% at 32 (docs/benchmarks.md).
+// row-major tiles: about the same at 1-8 rows, +25-50% at 16, +45-65% at 32 (docs/benchmarks.md).
 // Of the tile shapes tried (4x4, 8x3, 12x2, 16x1, 24x1, 6x4, 14x2), 8 rows by 3 streams was the fastest from
 // 8 rows up; one stream per thread (16x1, 24x1) was the slowest.
 constexpr int64_t kVnniStreams = 3;

@@ -62,7 +62,8 @@ class EngineConfig:
                                               "one in the decode GEMV's own layout (25-65% faster at 16-32 rows) "
                                               "and one in oneDNN's blocked layout for larger steps (the same bits, "
                                               "5-25% faster), at twice the weights' memory; default: on when "
-                                              "both fit in an eighth of the machine's memory.")
+                                              "both fit in an eighth of the machine's memory and leave a quarter "
+                                              "of it available.")
     seed: int = _opt(0, "Seed of the shared sampling generator (requests with their own seed ignore it).")
     stream_interval: int = _opt(1, "Streamed requests: send a request's first token at once, then its new tokens "
                                    "every this many (and the rest with its end); fewer, larger chunks cost the "

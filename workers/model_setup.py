@@ -36,15 +36,32 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     return model, attn
 
 
-def should_prepack(option: bool | None, weights: list[torch.Tensor], memory_bytes: int | None = None) -> bool:
-    """`prepack_weights`: True or False as given; None (auto) packs when the two copies of the packable
-    weights (`CppLayerOps.prepack`) fit in an eighth of the machine's memory."""
+def should_prepack(option: bool | None, weights: list[torch.Tensor], memory_bytes: int | None = None,
+                   available_bytes: int | None = None) -> bool:
+    """`prepack_weights`: True or False as given. None (auto) packs when the two copies of the packable
+    weights (`CppLayerOps.prepack`) fit in an eighth of the machine's memory and leave at least a quarter
+    of it available: on a machine already filled by other replicas, a new one does without them (Ray's
+    memory monitor kills workers past 95%)."""
     if option is not None:
         return option
-    size = sum(w.nbytes for w in dict.fromkeys(weights) if packable(w))
+    size = 2 * sum(w.nbytes for w in dict.fromkeys(weights) if packable(w))
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return 0 < 2 * size <= memory_bytes // 8
+    if available_bytes is None:
+        available_bytes = _available_memory(memory_bytes)
+    return 0 < size <= memory_bytes // 8 and available_bytes - size >= memory_bytes // 4
+
+
+def _available_memory(default: int) -> int:
+    """MemAvailable from /proc/meminfo (bytes), or `default` where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return default
 
 
 def profile_kv_budget(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, dtype: torch.dtype,

@@ -10,10 +10,9 @@ import torch
 
 from compiled_kernels import COMPILED, needs_compiled_kernels
 from conftest import write_tiny_model
+from engine_runs import greedy_outputs
 from kernels import layer_ops
 from workers.engine import Engine
-from workers.output_processor import OutputKind
-from workers.sampling_params import SamplingParams
 
 
 def _bf16_kernels() -> bool:
@@ -27,16 +26,7 @@ def _run(model: str, prompts: list[list[int]]) -> dict[str, tuple[list[int], lis
     # runs it over the VNNI copies)
     engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp",
                     prepack_weights=False)
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=2 + i % 15, temperature=0, ignore_eos=True, logprobs=3)
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt, output_kind=OutputKind.FINAL_ONLY)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            done[out.request_id] = (c.token_ids, [{k: v.logprob for k, v in lp.items()} for lp in c.logprobs])
-    assert engine.get_stats().kv_cache_usage == 0
-    return done
+    return greedy_outputs(engine, prompts, 15)
 
 
 @needs_compiled_kernels

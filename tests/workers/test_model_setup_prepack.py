@@ -7,35 +7,29 @@ import torch
 
 from compiled_kernels import needs_compiled_kernels
 from conftest import write_tiny_model
+from engine_runs import greedy_outputs
 from kernels import layer_ops
 from workers.engine import Engine
 from workers.model_setup import should_prepack
-from workers.output_processor import OutputKind
-from workers.sampling_params import SamplingParams
 
 
-def test_auto_packs_when_both_copies_fit_an_eighth_of_memory():
+def test_auto_packs_when_both_copies_fit_an_eighth_of_memory_and_leave_a_quarter():
     weights = [torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)]
     size = 2 * (64 * 64 * 2 + 32 * 64 * 2)
-    assert should_prepack(None, weights + weights[:1], memory_bytes=8 * size)  # a weight counts once
-    assert not should_prepack(None, weights, memory_bytes=8 * size - 8)
+    total = 8 * size
+    assert should_prepack(None, weights + weights[:1], memory_bytes=total, available_bytes=total)  # counted once
+    assert not should_prepack(None, weights, memory_bytes=total - 8, available_bytes=total)
+    assert should_prepack(None, weights, memory_bytes=total, available_bytes=size + total // 4)
+    assert not should_prepack(None, weights, memory_bytes=total, available_bytes=size + total // 4 - 1)
     assert not should_prepack(None, [torch.zeros(64, 64)], memory_bytes=1 << 40)  # float32: nothing to pack
     assert should_prepack(True, [], memory_bytes=0) and not should_prepack(False, weights, memory_bytes=1 << 40)
+    assert should_prepack(None, weights) in (True, False)  # this machine's /proc/meminfo and page count
 
 
 def _run(model: str, prepack: bool, prompts: list[list[int]]) -> tuple[dict, int]:
     engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=512, num_threads=2, attention_backend="cpp",
                     prepack_weights=prepack)
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=3 + i % 9, temperature=0, ignore_eos=True, logprobs=3)
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=prompt, output_kind=OutputKind.FINAL_ONLY)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            c = out.outputs[0]
-            done[out.request_id] = (c.token_ids, [{k: v.logprob for k, v in lp.items()} for lp in c.logprobs])
-    assert engine.get_stats().kv_cache_usage == 0
-    return done, len(getattr(engine.model.ops, "_packed", {}))
+    return greedy_outputs(engine, prompts, 9), len(getattr(engine.model.ops, "_packed", {}))
 
 
 @needs_compiled_kernels
