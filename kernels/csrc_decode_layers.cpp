@@ -20,8 +20,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 constexpr int64_t kWeightsPerLayer = 7;  // qkv, qkv bias (empty: none), o_proj, post norm, gate_up, down, next norm
 
 // x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
-// holds kWeightsPerLayer tensors per layer (the matrices plain or VNNI-packed, as `gemv_bf16` takes them) ("next norm": the next layer's input norm, the final norm for the
-// last layer); `caches` the K and V cache of each layer. Returns the last layer's output norm.
+// holds kWeightsPerLayer tensors per layer ("next norm": the next layer's input norm, the final norm for the
+// last layer), the matrices plain or VNNI-packed, as `gemv_bf16` takes them; `caches` the K and V cache of
+// each layer. Returns the last layer's output norm.
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,

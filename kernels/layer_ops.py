@@ -106,7 +106,7 @@ class CppLayerOps(TorchLayerOps):
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stacks: dict[int, tuple[DecodeStack, list[torch.Tensor]]] = {}
+        self._stack: tuple[DecodeStack, list[torch.Tensor]] | None = None  # the last stack, its VNNI weights
 
     def prepack(self, weights: list[torch.Tensor], vnni: bool = True) -> int:
         """Give each bfloat16 CPU weight two more copies, one per kind of step; returns the bytes they take.
@@ -140,21 +140,20 @@ class CppLayerOps(TorchLayerOps):
         if vnni and self._gemv is not None:
             copies = {id(w): (w, self._ext.pack_vnni_bf16(w.detach())) for w in weights
                     if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
-        self._packed, self._vnni, self._stacks = packed, copies, {}
+        self._packed, self._vnni, self._stack = packed, copies, None
         return sum(w.nbytes for w in weights) + sum(w.nbytes for w, _ in copies.values())
 
     def _stack_weights(self, stack: DecodeStack) -> list[torch.Tensor]:
         """`stack.weights` with each matrix that has a VNNI copy replaced by it (made once per stack)."""
         if not self._vnni:
             return stack.weights
-        cached = self._stacks.get(id(stack))
-        if cached is None or cached[0] is not stack:
+        if self._stack is None or self._stack[0] is not stack:
             swapped = []
             for w in stack.weights:
                 entry = self._vnni.get(id(w))
                 swapped.append(entry[1] if entry is not None and entry[0] is w else w)
-            cached = self._stacks[id(stack)] = (stack, swapped)
-        return cached[1]
+            self._stack = (stack, swapped)
+        return self._stack[1]
 
     @property
     def decode_max_rows(self) -> int:
@@ -179,9 +178,9 @@ class CppLayerOps(TorchLayerOps):
                                             stack.eps, stack.head_dim ** -0.5)
 
     def linear(self, x, weight, bias=None):
-        """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a CPU with
-        AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another order, so
-        a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
+        """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a
+        CPU with AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another
+        order, so a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
         `vnni_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in
         C++)."""
         if self._packed and x.dim() == 2 and x.dtype == weight.dtype:

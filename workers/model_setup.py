@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
@@ -29,8 +28,9 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     attn = get_attention_backend(config.attention_backend, device)
     # The compiled layer ops come from the same build as the compiled attention: both or neither.
     model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
-    if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, model.linear_weights()):
-        packed = model.ops.prepack(model.linear_weights())
+    weights = model.linear_weights()
+    if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, weights):
+        packed = model.ops.prepack(weights)
         logger.info("prepacked the linear layers' weights: %.0f MiB more (--no-prepack-weights saves it)",
                     packed / 2**20)
     return model, attn
@@ -45,23 +45,13 @@ def should_prepack(option: bool | None, weights: list[torch.Tensor], memory_byte
     if option is not None:
         return option
     size = 2 * sum(w.nbytes for w in dict.fromkeys(weights) if packable(w))
-    if memory_bytes is None:
-        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if available_bytes is None:
-        available_bytes = _available_memory(memory_bytes)
+    if memory_bytes is None or available_bytes is None:
+        import psutil  # Ray's dependency
+
+        memory = psutil.virtual_memory()
+        memory_bytes = memory.total if memory_bytes is None else memory_bytes
+        available_bytes = memory.available if available_bytes is None else available_bytes
     return 0 < size <= memory_bytes // 8 and available_bytes - size >= memory_bytes // 4
-
-
-def _available_memory(default: int) -> int:
-    """MemAvailable from /proc/meminfo (bytes), or `default` where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return default
 
 
 def profile_kv_budget(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineConfig, dtype: torch.dtype,
