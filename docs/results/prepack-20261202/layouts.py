@@ -5,9 +5,10 @@ memory), 2 threads, median of 5, GFLOP/s, for four ways of running x[M, K] @ W^T
   flinear   F.linear (oneDNN, reordering the plain weight on each call)
   packed    oneDNN over its blocked copy (torch.ops.mkldnn._reorder_linear_weight / _linear_pointwise)
 Run from the repository root: python docs/results/prepack-20261202/layouts.py [ROUNDS [ROWS ...]]
+(KINDS=vnni,packed times only those.)
 (layouts-1-512-rows.txt: `layouts.py 2`, when the VNNI GEMV was timed up to 128 rows only;
 layouts-96-2048-rows.txt: `layouts.py 2 96 128 192 256 512` and `layouts.py 2 1024 2048`, vnni and packed.)"""
-import sys, time, torch
+import os, sys, time, torch
 import torch.nn.functional as F
 torch.set_num_threads(2)
 from kernels.cpu_extension import load_extension
@@ -29,7 +30,7 @@ def med(fn, reps=5):
     return sorted(ts)[reps // 2]
 print("GFLOP/s | " + " | ".join(f"{m} rows" for m in ROWS))
 for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 2):
-    for kind in ("gemv", "vnni", "flinear", "packed"):
+    for kind in os.environ.get("KINDS", "gemv,vnni,flinear,packed").split(","):
         rates = []
         for m in ROWS:
             if kind == "gemv" and m > 128:
