@@ -46,31 +46,62 @@ class StepInputs:
 def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num_kv_heads: int) -> StepInputs:
     """Flatten every request's new tokens into one unpadded batch with its positions, slot mapping and
     block tables. Raises `RequestsFailed` naming requests whose sampling inputs could not be built."""
-    bs = block_size
     reqs = out.requests
     starts = [r.num_computed_tokens for r in reqs]
+    decode_only = all(n == 1 for n in out.num_new_tokens)
+    batch = (_one_token_each if decode_only else _flatten)(reqs, starts, out.num_new_tokens, block_size)
+    rows = _sample_rows(out)
+    logits_indices = torch.tensor(rows) if decode_only else batch.query_start_loc[1:][rows] - 1
+    common = CommonAttentionMetadata(batch.query_lens, batch.query_start_loc, batch.context_lens, batch.block_tables,
+                                     batch.slot_mapping, block_size, num_heads, num_kv_heads)
+    firsts = list(range(len(reqs))) if decode_only else batch.query_start_loc[:-1].tolist()
+    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, firsts)
+    return StepInputs(batch.input_ids, batch.positions, logits_indices, common,
+                      _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
+
+
+@dataclass(slots=True)
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def _block_tables(reqs: list[Request]) -> torch.Tensor:
+    width = max(len(r.block_ids) for r in reqs)
+    return torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
+
+
+def _flatten(reqs: list[Request], starts: list[int], num_new_tokens: list[int], bs: int) -> _Batch:
+    """Any mix of prefill chunks and decodes, in torch ops over the whole batch."""
     input_ids: list[int] = []
-    for r, s, n in zip(reqs, starts, out.num_new_tokens):
+    for r, s, n in zip(reqs, starts, num_new_tokens):
         input_ids.extend(r.all_token_ids[s:s + n])
-    query_lens = torch.tensor(out.num_new_tokens)
+    query_lens = torch.tensor(num_new_tokens)
     start_t = torch.tensor(starts)
     context_lens = start_t + query_lens
     query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.long)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
     positions = torch.arange(len(input_ids)) + torch.repeat_interleave(start_t - query_start_loc[:-1], query_lens)
-
-    width = max(len(r.block_ids) for r in reqs)
-    block_tables = torch.tensor([r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs])
+    block_tables = _block_tables(reqs)
     req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
     slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+    return _Batch(torch.tensor(input_ids), positions, query_lens, query_start_loc, context_lens, block_tables,
+                  slot_mapping)
 
-    rows = _sample_rows(out)
-    logits_indices = query_start_loc[1:][rows] - 1
-    common = CommonAttentionMetadata(query_lens, query_start_loc, context_lens, block_tables, slot_mapping, bs,
-                                     num_heads, num_kv_heads)
-    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, query_start_loc[:-1].tolist())
-    return StepInputs(torch.tensor(input_ids), positions, logits_indices, common,
-                      _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
+
+def _one_token_each(reqs: list[Request], starts: list[int], num_new_tokens: list[int], bs: int) -> _Batch:
+    """A step of one token per request (a decode step): the same tensors as `_flatten`, built from Python
+    lists. `build_step_inputs` took 107 instead of 292 us a step at one row, 168 instead of 368 at 16, on a
+    2-core Zen 5 (a one-row step of SmolLM2-135M takes ~8 ms there)."""
+    n = len(reqs)
+    return _Batch(torch.tensor([r.all_token_ids[s] for r, s in zip(reqs, starts)]), torch.tensor(starts),
+                  torch.ones(n, dtype=torch.long), torch.arange(n + 1), torch.tensor([s + 1 for s in starts]),
+                  _block_tables(reqs), torch.tensor([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]))
 
 
 def _sample_rows(out: SchedulerOutput) -> list[int]:

@@ -1,0 +1,58 @@
+"""`build_step_inputs`: a decode-only step's fast path gives the tensors of the general one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from workers import step_inputs
+from workers.request import Request
+from workers.sampling_params import SamplingParams
+from workers.scheduler import SchedulerOutput
+
+
+def _request(rng: random.Random, i: int, bs: int, computed: int, total: int) -> Request:
+    prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(1, total))]
+    r = Request(f"r{i}", prompt, SamplingParams(max_tokens=64), 64)
+    r.all_token_ids = prompt + [rng.randrange(3, 1000) for _ in range(total - len(prompt))]
+    r.num_computed_tokens = computed
+    r.block_ids = rng.sample(range(1, 500), -(-total // bs))
+    return r
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_each_equals_the_general_flattening(bs, seed):
+    """Decodes at random positions, and prefill chunks of one token that do not reach their last token
+    (they do not sample): every tensor, its dtype and the sampled rows are those of the general path."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(rng.randint(1, 40)):
+        total = rng.randint(1, 200)
+        computed = total - 1 if rng.random() < 0.8 else rng.randint(0, total - 1)  # else a 1-token chunk
+        reqs.append(_request(rng, i, bs, computed, total))
+    out = SchedulerOutput(reqs, [1] * len(reqs))
+    starts = [r.num_computed_tokens for r in reqs]
+    fast = step_inputs._one_token_each(reqs, starts, out.num_new_tokens, bs)
+    general = step_inputs._flatten(reqs, starts, out.num_new_tokens, bs)
+    for name in step_inputs._Batch.__slots__:
+        a, b = getattr(fast, name), getattr(general, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+    step = step_inputs.build_step_inputs(out, bs, 9, 3)
+    rows = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
+    assert torch.equal(step.logits_indices, general.query_start_loc[1:][rows] - 1)
+    assert [s.request_id for s in step.samples] == [reqs[i].request_id for i in rows]
+    assert torch.equal(step.input_ids, general.input_ids) and torch.equal(step.common.slot_mapping, general.slot_mapping)
+
+
+def test_mixed_steps_take_the_general_path(monkeypatch):
+    rng = random.Random(7)
+    reqs = [_request(rng, 0, 16, 0, 40), _request(rng, 1, 16, 30, 31)]
+    monkeypatch.setattr(step_inputs, "_one_token_each", lambda *a: pytest.fail("a prefill step took the decode path"))
+    step = step_inputs.build_step_inputs(SchedulerOutput(reqs, [40, 1]), 16, 9, 3)
+    assert step.input_ids.tolist() == reqs[0].all_token_ids + [reqs[1].all_token_ids[30]]
+    assert step.positions.tolist() == list(range(40)) + [30]
+    assert step.logits_indices.tolist() == [39, 40]
