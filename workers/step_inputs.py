@@ -51,11 +51,10 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     decode_only = all(n == 1 for n in out.num_new_tokens)
     batch = (_one_token_each if decode_only else _flatten)(reqs, starts, out.num_new_tokens, block_size)
     rows = _sample_rows(out)
-    logits_indices = torch.tensor(rows) if decode_only else batch.query_start_loc[1:][rows] - 1
+    logits_indices = torch.tensor([batch.query_starts[i + 1] - 1 for i in rows], dtype=torch.long)
     common = CommonAttentionMetadata(batch.query_lens, batch.query_start_loc, batch.context_lens, batch.block_tables,
                                      batch.slot_mapping, block_size, num_heads, num_kv_heads)
-    firsts = list(range(len(reqs))) if decode_only else batch.query_start_loc[:-1].tolist()
-    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, firsts)
+    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, batch.query_starts[:-1])
     return StepInputs(batch.input_ids, batch.positions, logits_indices, common,
                       _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
 
@@ -69,6 +68,7 @@ class _Batch:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
+    query_starts: list[int]  # `query_start_loc` as Python ints
 
 
 def _block_tables(reqs: list[Request]) -> torch.Tensor:
@@ -91,7 +91,7 @@ def _flatten(reqs: list[Request], starts: list[int], num_new_tokens: list[int], 
     req_idx = torch.repeat_interleave(torch.arange(len(reqs)), query_lens)
     slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
     return _Batch(torch.tensor(input_ids), positions, query_lens, query_start_loc, context_lens, block_tables,
-                  slot_mapping)
+                  slot_mapping, query_start_loc.tolist())
 
 
 def _one_token_each(reqs: list[Request], starts: list[int], num_new_tokens: list[int], bs: int) -> _Batch:
@@ -101,7 +101,8 @@ def _one_token_each(reqs: list[Request], starts: list[int], num_new_tokens: list
     n = len(reqs)
     return _Batch(torch.tensor([r.all_token_ids[s] for r, s in zip(reqs, starts)]), torch.tensor(starts),
                   torch.ones(n, dtype=torch.long), torch.arange(n + 1), torch.tensor([s + 1 for s in starts]),
-                  _block_tables(reqs), torch.tensor([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]))
+                  _block_tables(reqs), torch.tensor([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]),
+                  list(range(n + 1)))
 
 
 def _sample_rows(out: SchedulerOutput) -> list[int]:

@@ -39,7 +39,7 @@ def test_one_token_each_equals_the_general_flattening(bs, seed):
     general = step_inputs._flatten(reqs, starts, out.num_new_tokens, bs)
     for name in step_inputs._Batch.__slots__:
         a, b = getattr(fast, name), getattr(general, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert a == b if name == "query_starts" else a.dtype == b.dtype and torch.equal(a, b), name
 
     step = step_inputs.build_step_inputs(out, bs, 9, 3)
     rows = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]
@@ -56,3 +56,14 @@ def test_mixed_steps_take_the_general_path(monkeypatch):
     assert step.input_ids.tolist() == reqs[0].all_token_ids + [reqs[1].all_token_ids[30]]
     assert step.positions.tolist() == list(range(40)) + [30]
     assert step.logits_indices.tolist() == [39, 40]
+
+
+def test_a_step_where_no_request_samples_has_long_empty_logits_indices():
+    """One-token prefill chunks that do not reach their prompt's end sample nothing; the rows to sample are
+    still a long tensor (an index), empty."""
+    rng = random.Random(8)
+    reqs = [_request(rng, i, 16, 10, 20) for i in range(2)]
+    for r in reqs:
+        r.all_token_ids = r.all_token_ids[:20]
+    step = step_inputs.build_step_inputs(SchedulerOutput(reqs, [1, 1]), 16, 9, 3)
+    assert step.logits_indices.dtype == torch.long and step.logits_indices.numel() == 0 and not step.samples
