@@ -26,7 +26,7 @@ from serving_helpers import http
 from serving.app_config import AppConfig
 from serving.cli import (add_app_options, add_engine_options, app_config_from_args, engine_config_from_args,
                          flag_options, main)
-from serving.ray_cluster import free_port
+from serving.ray_cluster import check_port_free, free_port
 from workers.config import EngineConfig, parse_memory
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
@@ -107,6 +107,46 @@ def test_serve_rejects_bad_options_before_starting_ray(capsys):
     assert "unknown prefill_engine option(s): max_num_seq" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_port_in_use_before_starting_ray(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica():
+    import socket
+
+    with socket.socket() as listener:  # a server that closes an accepted connection first: TIME_WAIT on its port
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own listener (the proxy's)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = listener.accept()
+            conn.close()
+            client.recv(1)  # the server's FIN
+    check_port_free("127.0.0.1", port)  # Serve's proxy binds with SO_REUSEADDR
+    with pytest.raises(ValueError, match="connections closed within the last minute"):
+        check_port_free("127.0.0.1", port, reuse_addr=False)
+
+
+def test_direct_ingress_is_refused_where_it_cannot_serve(monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["serve", "--direct-ingress", "--max-replicas", "2"]) == 2
+    assert "--direct-ingress needs the engine in the ingress's one replica" in capsys.readouterr().err
+    assert main(["serve", "--direct-ingress", "--no-engine-in-ingress"]) == 2
+    assert "--direct-ingress needs the engine in the ingress's one replica" in capsys.readouterr().err
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert main(["serve", "--direct-ingress"]) == 2
+    assert "cannot join the cluster at RAY_ADDRESS" in capsys.readouterr().err
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ  # nothing was set for a Ray that did not start
+
+
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_help_shows_every_default(command, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")  # one block per option, help beside or below its flags
@@ -159,13 +199,31 @@ def _stream_events(url: str, body: dict, started: threading.Event) -> list[dict]
     raise AssertionError(f"the stream was cut without [DONE] after {len(events)} events")
 
 
-def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up():
+def _listener(port: int) -> str:
+    """The command line of the process that listens on 127.0.0.1:`port` (TCP)."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        if local == f"0100007F:{port:04X}" and state == "0A":  # LISTEN
+            inodes.add(f"socket:[{inode}]")
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                return (fd_dir.parent / "cmdline").read_text().replace("\0", " ")
+        except OSError:  # a process that ended, or one of another user
+            continue
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("direct_ingress", [False, True], ids=["proxy", "direct-ingress"])
+def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingress):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever the console script was installed from
     proc = subprocess.Popen([str(KVRELAY), "serve", "--port", str(port), "--kv-cache-memory", "256MiB",
-                             "--max-num-seqs", "8"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            text=True, cwd=ROOT)
+                             "--max-num-seqs", "8"] + (["--direct-ingress"] if direct_ingress else []),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -178,6 +236,8 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up():
         assert temp_dir.is_dir()
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in lines[-1]
+        # Behind Serve's proxy, or the engine's replica itself with --direct-ingress.
+        assert ("ServeReplica" if direct_ingress else "ProxyActor") in _listener(port)
         status, body = http("POST", f"{url}/v1/completions",
                             {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
