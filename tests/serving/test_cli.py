@@ -137,9 +137,10 @@ def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica(
 
 def test_direct_ingress_is_refused_where_it_cannot_serve(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert main(["serve", "--direct-ingress", "--max-replicas", "2"]) == 2
+    port = str(free_port())
+    assert main(["serve", "--port", port, "--direct-ingress", "--max-replicas", "2"]) == 2
     assert "--direct-ingress needs the engine in the ingress's one replica" in capsys.readouterr().err
-    assert main(["serve", "--direct-ingress", "--no-engine-in-ingress"]) == 2
+    assert main(["serve", "--port", port, "--direct-ingress", "--no-engine-in-ingress"]) == 2
     assert "--direct-ingress needs the engine in the ingress's one replica" in capsys.readouterr().err
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     assert main(["serve", "--direct-ingress"]) == 2
