@@ -10,6 +10,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -108,8 +109,6 @@ def test_serve_rejects_bad_options_before_starting_ray(capsys):
 
 
 def test_serve_refuses_a_port_in_use_before_starting_ray(capsys):
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -119,8 +118,6 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(capsys):
 
 
 def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica():
-    import socket
-
     with socket.socket() as listener:  # a server that closes an accepted connection first: TIME_WAIT on its port
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own listener (the proxy's)
         listener.bind(("127.0.0.1", 0))
