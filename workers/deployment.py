@@ -220,12 +220,14 @@ class EngineWorker:
         sub = self._subscribers.setdefault(subscriber_id, _Subscriber())
         try:
             yield self.replica_id
-            while not self._drained:
-                await sub.event.wait()
-                sub.event.clear()
+            while True:
                 batch, sub.pending = sub.pending, StepBatch()
                 if batch.outputs or batch.errors:
                     yield batch
+                if self._drained:  # what was pending when the replica drained has gone out above
+                    break
+                await sub.event.wait()
+                sub.event.clear()
         finally:
             if self._subscribers.get(subscriber_id) is sub:
                 del self._subscribers[subscriber_id]
@@ -283,11 +285,16 @@ class EngineWorker:
         if self._in_flight:
             logger.info("replica %s ends %d requests still running after drain_timeout_s", self.replica_id,
                         len(self._in_flight))
-            for rid in self._in_flight:
+            message = (f"engine replica {self.replica_id} is shutting down and this request did not finish "
+                       f"within drain_timeout_s={self.drain_timeout_s:g} s; retry it")
+            for rid, entry in self._in_flight.items():
                 self.loop.abort(rid)
-            self._fail_in_flight(ReplicaStopping(
-                f"engine replica {self.replica_id} is shutting down and this request did not finish within "
-                f"drain_timeout_s={self.drain_timeout_s:g} s; retry it"))
+                # the reason also goes out on the subscriber stream, ahead of its end: the ingress may see
+                # that stream close before the generate call's error arrives
+                sub = self._subscribers.get(entry.subscriber_id)
+                if sub is not None:
+                    sub.pending.errors[rid] = RequestError(message, 503)
+            self._fail_in_flight(ReplicaStopping(message))
         self._drained = True
         for sub in self._subscribers.values():
             sub.event.set()

@@ -1,6 +1,6 @@
 """A stopping engine replica ends what it still runs by its own clock: from the moment Serve starts stopping
 it, requests have `drain_timeout_s` to finish, the rest are aborted (their KV blocks back in the pool) and
-end with `ReplicaStopping`; then its subscriber streams end and new requests are refused. Built outside
+end with `ReplicaStopping` (also sent on their subscriber streams); then those streams end and new requests are refused. Built outside
 Serve, with the stop flag Serve would set (`workers.replica_drain.serve_stop_flag`) replaced by a list."""
 
 from __future__ import annotations
@@ -64,7 +64,11 @@ def test_a_stopping_replica_lets_short_requests_finish_and_cuts_the_rest_at_drai
         with pytest.raises(ReplicaStopping, match=r"shutting down .* drain_timeout_s=3 s"):
             await asyncio.wait_for(long, 30)
         assert 2.9 < time.monotonic() - start < 10
-        await asyncio.wait_for(batches, 5)  # the subscriber stream ended: nothing runs here any more
+        # the subscriber stream ended (nothing runs here any more), and its last batch says why the long
+        # request ended: the ingress may see this stream close before the generate call's error
+        last = (await asyncio.wait_for(batches, 5))[-1]
+        assert list(last.errors) == ["long"] and last.errors["long"].status == 503
+        assert "shutting down" in last.errors["long"].message
         refused = worker.generate("ingress", _request("late", 4))
         reply = await refused.__anext__()
         assert isinstance(reply, Rejected) and reply.status == 503 and "shutting down" in reply.message
@@ -88,6 +92,5 @@ def test_an_idle_stopping_replica_ends_its_subscriber_streams_at_once(worker):
     asyncio.run(run())
 
 
-async def _drain_stream(stream) -> None:
-    async for _ in stream:
-        pass
+async def _drain_stream(stream) -> list:
+    return [batch async for batch in stream]
