@@ -6,9 +6,9 @@ fused in the compiled CPU kernels (`kernels/csrc_layer_ops.cpp`): one pass over 
 one per torch expression, no temporaries. Its `linear` runs bfloat16 layers over a few rows (decode) with
 the compiled GEMV (`kernels/csrc_gemv_bf16.cpp`), which streams the weights at memory bandwidth where
 oneDNN reads them at a fraction of it. `prepack` gives each layer's weights two more copies: one in the
-GEMV's own pair-interleaved layout, which steps of up to 128 rows then read, and one in oneDNN's blocked
-layout, which larger steps (prefill) read with the same bits as `F.linear` and without its per-call
-reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
+GEMV's own pair-interleaved layout, which steps of up to 128 rows (8 on a CPU with AMX) then read, and one
+in oneDNN's blocked layout, which larger steps (prefill) read with the same bits as `F.linear` and without
+its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
 
 from __future__ import annotations
 
@@ -30,6 +30,26 @@ GEMV_MAX_ROWS = 32
 # 0.85-1.2x at 512-2048 (docs/benchmarks.md). Up to this many rows a step reads the VNNI copy; past it
 # oneDNN, which on CPUs with AMX has tiles of its own for large matmuls.
 VNNI_MAX_ROWS = 128
+# On a CPU with AMX, oneDNN's packed copy runs on the tiles: on a 2-core Xeon (amx_bf16) it overtook the VNNI
+# GEMV between 8 and 12 rows (146 vs 181 GFLOP/s at 8, 212 vs 194 at 12, 975 vs 209 at 128), where the GEMV's
+# AVX512-BF16 dot products top out at ~200 GFLOP/s; burst cap 256 offline went from 622 to 800 tok/s with both
+# limits at 8 (docs/benchmarks.md). The row-major GEMV against F.linear crossed between 12 and 16 rows.
+AMX_GEMV_MAX_ROWS = AMX_VNNI_MAX_ROWS = 8
+
+
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles that oneDNN's bfloat16 matmuls use (torch's own check)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:
+        return False
+
+
+def default_row_limits() -> tuple[int, int]:
+    """`(gemv_max_rows, vnni_max_rows)` for this CPU: the compiled GEMV's limits where oneDNN's AMX
+    tiles take over early, the AVX512-BF16 ones elsewhere."""
+    return (AMX_GEMV_MAX_ROWS, AMX_VNNI_MAX_ROWS) if has_amx_bf16() else (GEMV_MAX_ROWS, VNNI_MAX_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +117,13 @@ class TorchLayerOps:
 class CppLayerOps(TorchLayerOps):
     name = "cpp"
 
-    def __init__(self, gemv_max_rows: int = GEMV_MAX_ROWS, vnni_max_rows: int = VNNI_MAX_ROWS) -> None:
+    def __init__(self, gemv_max_rows: int | None = None, vnni_max_rows: int | None = None) -> None:
+        """The limits default to `default_row_limits()` for this CPU."""
         from kernels.cpu_extension import load_extension
+
+        gemv_default, vnni_default = default_row_limits()
+        gemv_max_rows = gemv_default if gemv_max_rows is None else gemv_max_rows
+        vnni_max_rows = vnni_default if vnni_max_rows is None else vnni_max_rows
 
         self._ext = load_extension()
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None

@@ -135,6 +135,33 @@ def test_prepacked_copies_are_used():
     assert torch.equal(ops.linear(x[:4], w), want_small) and want_small.any()
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_row_limits_default_to_the_cpu(monkeypatch, amx):
+    """Where oneDNN has AMX tiles, its packed copy takes over from the GEMV at a few rows; elsewhere the
+    GEMV keeps its AVX512-BF16 limits. Limits given explicitly win."""
+    from kernels import layer_ops
+
+    monkeypatch.setattr(layer_ops, "has_amx_bf16", lambda: amx)
+    ops = CppLayerOps()
+    want = ((layer_ops.AMX_GEMV_MAX_ROWS, layer_ops.AMX_VNNI_MAX_ROWS) if amx
+            else (layer_ops.GEMV_MAX_ROWS, layer_ops.VNNI_MAX_ROWS))
+    assert (ops.gemv_max_rows, ops.vnni_max_rows) == want
+    assert want[1] < 16 if amx else want[1] >= 128
+    assert (CppLayerOps(gemv_max_rows=4, vnni_max_rows=12).gemv_max_rows,
+            CppLayerOps(gemv_max_rows=4, vnni_max_rows=12).vnni_max_rows) == (4, 12)
+
+
+def test_amx_check_reads_the_cpu_flags():
+    """torch's AMX check agrees with the kernel's view of the CPU (`/proc/cpuinfo`'s amx_bf16 flag)."""
+    from kernels.layer_ops import has_amx_bf16
+
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    assert has_amx_bf16() == (" amx_bf16" in flags)
+
+
 def test_vnni_copies_take_rows_up_to_their_own_limit():
     """With VNNI copies the GEMV takes up to `vnni_max_rows` rows (oneDNN's copy above), and so does the
     compiled decode stack; weights without a VNNI copy keep the row-major GEMV's limit."""

@@ -45,6 +45,8 @@ def test_prepacked_weights_are_read_and_onednns_copy_changes_no_bit(kind, tmp_pa
     # 150 prompts of up to 70 tokens: prefill steps and decode steps past the VNNI GEMV's rows take oneDNN's
     # copy, smaller ones the VNNI copies (up to VNNI_MAX_ROWS rows, beyond the row-major GEMV's)
     prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 70, (150,), generator=gen)]
+    # the AVX512-BF16 limits on every host (on a CPU with AMX the defaults are lower; see test_layer_ops.py)
+    monkeypatch.setattr(layer_ops, "default_row_limits", lambda: (layer_ops.GEMV_MAX_ROWS, layer_ops.VNNI_MAX_ROWS))
     real_packed, rows = layer_ops.linear_packed, []
     monkeypatch.setattr(layer_ops, "linear_packed", lambda x, *a: rows.append(x.shape[0]) or real_packed(x, *a))
     real_stack, stacks = layer_ops.CppLayerOps.decode_layers, []
