@@ -22,7 +22,7 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale);
+                                 double scale, bool onednn);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
@@ -40,6 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
-  m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of a few bfloat16 rows",
+  m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of bfloat16 rows",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,9 +1,11 @@
-// Every decoder layer of a decode-only step of a few bfloat16 rows in one call: the same kernels, in the same
-// order and with the same roundings, as the Python layer loop of `workers/models/llama.py` with the compiled
-// ops (GEMV, RoPE, KV write, paged decode attention, add+RMSNorm, SiLU-and-mul). At one to a few rows a
-// layer's ten ops each take tens of microseconds of memory time, and the Python between them (module calls,
-// views, attribute reads) cost as much again; here that Python runs once per step, and the GIL is released
-// for the whole stack instead of being taken back after each op.
+// Every decoder layer of a decode-only step of bfloat16 rows in one call: the same kernels, in the same order
+// and with the same roundings, as the Python layer loop of `workers/models/llama.py` with the compiled ops
+// (GEMV or oneDNN's prepacked linear, RoPE, KV write, paged decode attention, add+RMSNorm, SiLU-and-mul). At
+// one to a few rows a layer's ten ops each take tens of microseconds of memory time, and the Python between
+// them (module calls, views, attribute reads) cost as much again; here that Python runs once per step, and
+// the GIL is released for the whole stack instead of being taken back after each op, so a replica's event
+// loop does not hold the engine thread up between ops (burst through the server +7% on a 2-core Xeon with
+// AMX, whose decode steps past 8 rows take oneDNN; docs/benchmarks.md).
 #include <torch/extension.h>
 
 #include <vector>
@@ -19,15 +21,32 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 constexpr int64_t kWeightsPerLayer = 7;  // qkv, qkv bias (empty: none), o_proj, post norm, gate_up, down, next norm
 
+// oneDNN's linear over a weight in its blocked layout (`mkldnn::_reorder_linear_weight`): the op that
+// `kernels.layer_ops.linear_packed` calls from Python, with the same arguments, so the same bits.
+static torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
 // holds kWeightsPerLayer tensors per layer ("next norm": the next layer's input norm, the final norm for the
-// last layer), the matrices plain or VNNI-packed, as `gemv_bf16` takes them; `caches` the K and V cache of
-// each layer. Returns the last layer's output norm.
+// last layer), the matrices plain or VNNI-packed, as `gemv_bf16` takes them, or (`onednn`) all in oneDNN's
+// blocked layout, for steps of more rows than the GEMV is the faster for; `caches` the K and V cache of each
+// layer. Returns the last layer's output norm.
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale) {
+                                 double scale, bool onednn) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && caches.size() % 2 == 0,
               "decode_layers_bf16 takes ", kWeightsPerLayer, " weights and 2 caches per layer");
@@ -43,18 +62,22 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
     const torch::Tensor& k_cache = caches[2 * i];
     const torch::Tensor& v_cache = caches[2 * i + 1];
     const int64_t d = k_cache.size(3);
-    TORCH_CHECK(gemv_out_features(w[0]) == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", gemv_out_features(w[0]),
-                " rows, not ", (nh + 2 * kvh) * d);
+    const int64_t qkv_rows = onednn ? w[0].size(0) : gemv_out_features(w[0]);
+    TORCH_CHECK(qkv_rows == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", qkv_rows, " rows, not ", (nh + 2 * kvh) * d);
+    const auto linear = [onednn](const torch::Tensor& in, const torch::Tensor& weight,
+                                 const c10::optional<torch::Tensor>& b) {
+      return onednn ? linear_onednn(in, weight, b) : gemv_bf16(in, weight, b);
+    };
     const c10::optional<torch::Tensor> bias = w[1].numel() > 0 ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
-    const torch::Tensor qkv = gemv_bf16(h, w[0], bias);
+    const torch::Tensor qkv = linear(h, w[0], bias);
     const torch::Tensor qk = qkv.narrow(1, 0, (nh + kvh) * d).view({t, nh + kvh, d});
     rope_(qk, cos_table, sin_table, positions);
     const torch::Tensor v = qkv.narrow(1, (nh + kvh) * d, kvh * d).view({t, kvh, d});
     write_kv_(k_cache, v_cache, qk.narrow(1, nh, kvh), v, slots);
     const torch::Tensor o = paged_decode_attention_bf16(qk.narrow(1, 0, nh), k_cache, v_cache, block_tables, context_lens,
                                                         scale).view({t, nh * d});
-    h = add_rms_norm(x, gemv_bf16(o, w[2], c10::nullopt), w[3], eps);
-    h = add_rms_norm(x, gemv_bf16(silu_and_mul(gemv_bf16(h, w[4], c10::nullopt)), w[5], c10::nullopt), w[6], eps);
+    h = add_rms_norm(x, linear(o, w[2], c10::nullopt), w[3], eps);
+    h = add_rms_norm(x, linear(silu_and_mul(linear(h, w[4], c10::nullopt)), w[5], c10::nullopt), w[6], eps);
   }
   return h;
 }

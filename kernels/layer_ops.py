@@ -131,7 +131,8 @@ class CppLayerOps(TorchLayerOps):
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stack: tuple[DecodeStack, list[torch.Tensor]] | None = None  # the last stack, its VNNI weights
+        # by oneDNN or not: the last stack and its weights as `decode_layers_bf16` takes them
+        self._stacks: dict[bool, tuple[DecodeStack, list[torch.Tensor] | None]] = {}
 
     def prepack(self, weights: list[torch.Tensor], vnni: bool = True) -> int:
         """Give each bfloat16 CPU weight two more copies, one per kind of step; returns the bytes they take.
@@ -165,42 +166,58 @@ class CppLayerOps(TorchLayerOps):
         if vnni and self._gemv is not None:
             copies = {id(w): (w, self._ext.pack_vnni_bf16(w.detach())) for w in weights
                     if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0}
-        self._packed, self._vnni, self._stack = packed, copies, None
+        self._packed, self._vnni, self._stacks = packed, copies, {}
         return sum(w.nbytes for w in weights) + sum(w.nbytes for w, _ in copies.values())
 
-    def _stack_weights(self, stack: DecodeStack) -> list[torch.Tensor]:
-        """`stack.weights` with each matrix that has a VNNI copy replaced by it (made once per stack)."""
-        if not self._vnni:
-            return stack.weights
-        if self._stack is None or self._stack[0] is not stack:
-            swapped = []
+    def _stack_weights(self, stack: DecodeStack, onednn: bool = False) -> list[torch.Tensor] | None:
+        """`stack.weights` with each matrix that has a VNNI copy replaced by it, or (`onednn`) every matrix
+        by its oneDNN copy: None if one has none. Made once per stack."""
+        copies = self._packed if onednn else self._vnni
+        if not copies:
+            return None if onednn else stack.weights
+        cached = self._stacks.get(onednn)
+        if cached is None or cached[0] is not stack:
+            swapped: list[torch.Tensor] | None = []
             for w in stack.weights:
-                entry = self._vnni.get(id(w))
-                swapped.append(entry[1] if entry is not None and entry[0] is w else w)
-            self._stack = (stack, swapped)
-        return self._stack[1]
+                entry = copies.get(id(w))
+                if entry is not None and entry[0] is w:
+                    swapped.append(entry[1])
+                elif onednn and w.dim() == 2:
+                    swapped = None
+                    break
+                else:
+                    swapped.append(w)
+            self._stacks[onednn] = cached = (stack, swapped)
+        return cached[1]
 
     @property
     def decode_max_rows(self) -> int:
-        """The most rows a decode step runs through `decode_layers`: `vnni_max_rows` once `prepack` has made
-        the VNNI copies, else `gemv_max_rows`."""
+        """The most rows a decode step runs through `decode_layers` on the compiled GEMV: `vnni_max_rows` once
+        `prepack` has made the VNNI copies, else `gemv_max_rows`. Larger decode steps run it on oneDNN's
+        copies when `prepack` made them."""
         return self.vnni_max_rows if self._vnni else self.gemv_max_rows
 
     def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
-        """A decode-only step of at most `decode_max_rows` bfloat16 rows through the compiled attention: the
-        same kernels in the same order as the layer loop (so the same numbers), with the Python between
-        them run once per step instead of once per op (`kernels/csrc_decode_layers.cpp`)."""
+        """A decode-only step of bfloat16 rows through the compiled attention: the same kernels in the same
+        order as the layer loop (so the same numbers), with the Python between them run once per step
+        instead of once per op, and without the GIL (`kernels/csrc_decode_layers.cpp`). Up to
+        `decode_max_rows` rows on the GEMV; past them on oneDNN's copies, if `prepack` made them for every
+        matrix (else None: the layer loop)."""
         from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
 
-        if (self._gemv is None or x.shape[0] > self.decode_max_rows or not isinstance(attn, CppPagedAttention)
+        if (self._gemv is None or not isinstance(attn, CppPagedAttention)
                 or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)
                 or meta.chunks is not None or meta.decodes is None):
             return None
+        onednn = x.shape[0] > self.decode_max_rows
+        weights = self._stack_weights(stack, onednn)
+        if weights is None:
+            return None
         dec = meta.decodes
         caches = [c for kv in kv_caches for c in kv]
-        return self._ext.decode_layers_bf16(x, h, self._stack_weights(stack), caches, *rope, meta.slot_mapping,
-                                            dec.block_tables, dec.context_lens, stack.num_heads, stack.num_kv_heads,
-                                            stack.eps, stack.head_dim ** -0.5)
+        return self._ext.decode_layers_bf16(x, h, weights, caches, *rope, meta.slot_mapping, dec.block_tables,
+                                            dec.context_lens, stack.num_heads, stack.num_kv_heads, stack.eps,
+                                            stack.head_dim ** -0.5, onednn)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a

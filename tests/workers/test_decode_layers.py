@@ -1,7 +1,7 @@
 """The compiled decoder stack of a decode step (`kernels/csrc_decode_layers.cpp`, through
 `CppLayerOps.decode_layers`) against the layer-by-layer loop it replaces: the same kernels in the same order,
-so the same tokens and the same logprobs, bit for bit. Steps it does not take (prefill chunks, more rows than
-the GEMV takes) still run the loop."""
+so the same tokens and the same logprobs, bit for bit. Steps it does not take (prefill chunks; without
+prepacked weights, more rows than the GEMV takes) still run the loop."""
 
 from __future__ import annotations
 
@@ -54,6 +54,36 @@ def test_compiled_decode_steps_match_the_layer_loop(kind, tmp_path, default_mode
     assert all(took == (rows <= layer_ops.GEMV_MAX_ROWS) for rows, took in taken)
     monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
     assert _run(model, prompts) == compiled
+
+
+@needs_compiled_kernels
+@pytest.mark.skipif(not _bf16_kernels(), reason="the compiled decoder stack needs AVX512-BF16")
+def test_decode_steps_past_the_gemv_run_the_stack_on_onednns_copies(tmp_path, default_model_dir, monkeypatch):
+    """With prepacked weights a decode step of more rows than the GEMV takes runs the stack too, its matrices
+    on oneDNN's copies (the op the layer loop calls for them): the same tokens and logprobs as the loop."""
+    model = write_tiny_model(tmp_path / "llama", default_model_dir, model_type="llama", tie_word_embeddings=True)
+    monkeypatch.setattr(layer_ops, "default_row_limits", lambda: (4, 8))  # as on a CPU with AMX, lower
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (20,), generator=gen)]
+    real, taken = layer_ops.CppLayerOps.decode_layers, []
+
+    def counted(self, x, *args):
+        out = real(self, x, *args)
+        taken.append((x.shape[0], out is not None))
+        return out
+
+    def run() -> dict:
+        engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp",
+                        prepack_weights=True)
+        assert engine.model.ops.decode_max_rows == 8
+        return greedy_outputs(engine, prompts, 15)
+
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", counted)
+    stacked = run()
+    assert any(took and rows > 8 for rows, took in taken), taken  # on oneDNN's copies
+    assert any(took and rows <= 8 for rows, took in taken), taken  # on the VNNI copies
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
+    assert run() == stacked
 
 
 def test_torch_ops_have_no_compiled_stack():
