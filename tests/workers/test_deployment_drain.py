@@ -1,7 +1,8 @@
 """A stopping engine replica ends what it still runs by its own clock: from the moment Serve starts stopping
 it, requests have `drain_timeout_s` to finish, the rest are aborted (their KV blocks back in the pool) and
-end with `ReplicaStopping` (also sent on their subscriber streams); then those streams end and new requests are refused. Built outside
-Serve, with the stop flag Serve would set (`workers.replica_drain.serve_stop_flag`) replaced by a list."""
+end with `ReplicaStopping` (also sent on their subscriber streams); then those streams end and new requests
+are refused. Built outside Serve, with the stop flag Serve would set (`workers.replica_drain.serve_stop_flag`)
+replaced by a list."""
 
 from __future__ import annotations
 
