@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of the AMX row limits: old (GEMV up to 128 rows everywhere) vs new (8 rows on AMX), fresh servers,
-# A names a scratch folder holding old_layer_ops.py (dee748d) and new_layer_ops.py (50461dc).
 # sides alternated. Run from the repository root: bash ab.sh OUTDIR
+# A names a scratch folder holding old_layer_ops.py (dee748d) and new_layer_ops.py (50461dc).
 set -u
 OUT=$1; A=/work/scratch/s12/amx
 export TORCH_EXTENSIONS_DIR=/tmp/tx-main

@@ -1,8 +1,8 @@
 #!/bin/bash
 # A/B of the decode stack on oneDNN's copies: old (layer loop past the GEMV's rows) vs new, fresh servers,
-# S (and A in ab.sh) name a scratch folder holding old/ and new/ copies of the files each side puts in place
-# (for stack_ab.sh: the three files of ba18570 and of its parent).
-# sides alternated. Run from the repository root: bash ab.sh OUTDIR
+# sides alternated. Run from the repository root: bash stack_ab.sh OUTDIR
+# S names a scratch folder holding old/ and new/ copies of the files each side puts in place
+# (the three files of ba18570 and of its parent).
 set -u
 OUT=$1; S=/work/scratch/s12/stack
 export TORCH_EXTENSIONS_DIR=/tmp/tx-main
