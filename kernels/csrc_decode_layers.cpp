@@ -57,6 +57,10 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
   slots = slots.to(torch::kInt64).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
+  const auto linear = [onednn](const torch::Tensor& in, const torch::Tensor& weight,
+                               const c10::optional<torch::Tensor>& b) {
+    return onednn ? linear_onednn(in, weight, b) : gemv_bf16(in, weight, b);
+  };
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kWeightsPerLayer;
     const torch::Tensor& k_cache = caches[2 * i];
@@ -64,10 +68,6 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
     const int64_t d = k_cache.size(3);
     const int64_t qkv_rows = onednn ? w[0].size(0) : gemv_out_features(w[0]);
     TORCH_CHECK(qkv_rows == (nh + 2 * kvh) * d, "layer ", i, ": qkv has ", qkv_rows, " rows, not ", (nh + 2 * kvh) * d);
-    const auto linear = [onednn](const torch::Tensor& in, const torch::Tensor& weight,
-                                 const c10::optional<torch::Tensor>& b) {
-      return onednn ? linear_onednn(in, weight, b) : gemv_bf16(in, weight, b);
-    };
     const c10::optional<torch::Tensor> bias = w[1].numel() > 0 ? c10::optional<torch::Tensor>(w[1]) : c10::nullopt;
     const torch::Tensor qkv = linear(h, w[0], bias);
     const torch::Tensor qk = qkv.narrow(1, 0, (nh + kvh) * d).view({t, nh + kvh, d});

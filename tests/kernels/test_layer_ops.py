@@ -147,8 +147,8 @@ def test_row_limits_default_to_the_cpu(monkeypatch, amx):
             else (layer_ops.GEMV_MAX_ROWS, layer_ops.VNNI_MAX_ROWS))
     assert (ops.gemv_max_rows, ops.vnni_max_rows) == want
     assert want[1] < 16 if amx else want[1] >= 128
-    assert (CppLayerOps(gemv_max_rows=4, vnni_max_rows=12).gemv_max_rows,
-            CppLayerOps(gemv_max_rows=4, vnni_max_rows=12).vnni_max_rows) == (4, 12)
+    given = CppLayerOps(gemv_max_rows=4, vnni_max_rows=12)
+    assert (given.gemv_max_rows, given.vnni_max_rows) == (4, 12)
 
 
 def test_amx_check_reads_the_cpu_flags():
