@@ -11,7 +11,7 @@ import sys
 import pytest
 
 _PROBE = """
-import json, sys
+import ctypes, json, sys
 import torch
 if sys.argv[1] == "bounded":
     from workers.onednn_caches import bound_onednn_caches
@@ -19,6 +19,9 @@ if sys.argv[1] == "bounded":
 torch.set_num_threads(1)
 
 def rss():
+    # freed buffers that malloc keeps in its heap are not what the caches hold: hand them back first, so
+    # the reading is the live memory (without this, readings swung by +-100 MiB from run to run)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 1024
