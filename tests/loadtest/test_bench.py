@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from compiled_kernels import needs_compiled_kernels
-from loadtest import bench, report, runners, workloads
+from loadtest import bench, decode_attention, report, runners, workloads
 from loadtest.workloads import burst_output_lens
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -162,7 +162,8 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
     (["policies", "--policies", "fcfs,lifo"], "unknown policies: lifo; choose from fcfs, priority, sjf, predicted"),
     (["single", "--offline", "--output-len", "0"], "--output-len must be >= 1"),
-    (["decode-attention", "--batch", "0"], "--batch, --context, --threads, --rounds and --repeats must be >= 1"),
+    (["decode-attention", "--batch", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
+    (["decode-attention", "--layers", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
 ])
 def test_bad_command_lines_fail_clearly(argv: list[str], needle: str, capsys) -> None:
     assert bench.main(argv) == 2
@@ -366,6 +367,16 @@ def test_plot_together_draws_the_runs_of_several_files_in_one_figure(tmp_path: P
     assert "one workload" in capsys.readouterr().err
 
 
+def test_decode_attention_bench_sweeps_enough_layers_to_read_past_the_last_level_cache() -> None:
+    mib = 2**20
+    assert decode_attention.auto_layers(40 * mib, 480 * mib) == 24  # twice the cache, rounded up
+    assert decode_attention.auto_layers(40 * mib, None) == 4  # 64 MiB assumed
+    assert decode_attention.auto_layers(100 * mib, 32 * mib) == 1
+    assert decode_attention.auto_layers(1000, 480 * mib) == decode_attention.MAX_AUTO_LAYERS
+    llc = decode_attention.last_level_cache_bytes()
+    assert llc is None or llc >= 2**10
+
+
 @needs_compiled_kernels
 def test_decode_attention_bench_reports_the_kernel_against_a_plain_read(tmp_path: Path, capsys) -> None:
     from kernels.cpu_extension import load_extension
@@ -382,5 +393,8 @@ def test_decode_attention_bench_reports_the_kernel_against_a_plain_read(tmp_path
     assert result["command"] == "kvrelay bench " + " ".join(argv)
     assert result["kernel_gbs"] > 0 and result["read_gbs"] > 0 and len(result["kernel_ms"]) == 1
     assert result["fraction_of_read"] == pytest.approx(result["kernel_gbs"] / result["read_gbs"], rel=0.01)
+    assert result["layers"] == decode_attention.auto_layers(4 * 3 * 16 * 3 * 64 * 2 * 2, result["last_level_cache_bytes"])
+    assert bench.main(argv[:-2] + ["--layers", "3"]) == 0
+    assert "3 layers:" in capsys.readouterr().out
     assert bench.main(["decode-attention", "--head-dim", "48"]) == 2
     assert "head_dim 48" in capsys.readouterr().err
