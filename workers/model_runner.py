@@ -13,6 +13,7 @@ import torch
 
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
+from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import RowBitmask, SampleOutput, sample
 from workers.scheduler import SchedulerOutput
@@ -32,9 +33,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.num_heads, self.num_kv_heads = model.part.num_heads, model.part.num_kv_heads  # this rank's heads
-        # One allocation for the whole cache; zeroed so that masked-out slots never hold NaN.
-        self.kv_cache = torch.zeros(a.num_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim,
-                                    dtype=dtype, device=self.device)
+        # One allocation for the whole cache, on huge pages on the CPU (`workers/huge_pages.py`); zeroed so
+        # that masked-out slots never hold NaN.
+        self.kv_cache = zeros_on_huge_pages(a.num_layers, 2, num_blocks, block_size, self.num_kv_heads, a.head_dim,
+                                            dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
