@@ -58,7 +58,8 @@ def auto_layers(touched_bytes: int, llc_bytes: int | None) -> int:
 
 
 def run_decode_attention(args: argparse.Namespace) -> int:
-    if min(args.batch, args.context, args.repeats, args.rounds, args.threads) < 1 or (args.layers is not None and args.layers < 1):
+    layers_given = args.layers is not None
+    if min(args.batch, args.context, args.repeats, args.rounds, args.threads) < 1 or (layers_given and args.layers < 1):
         raise ValueError("--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1")
     import torch
 
@@ -74,7 +75,7 @@ def run_decode_attention(args: argparse.Namespace) -> int:
     per_request = -(-args.context // block)
     block_bytes = block * kv_heads * dim * 2
     llc = last_level_cache_bytes()
-    layers = args.layers if args.layers is not None else auto_layers(args.batch * per_request * block_bytes * 2, llc)
+    layers = args.layers if layers_given else auto_layers(args.batch * per_request * block_bytes * 2, llc)
     pool = args.batch * per_request * 2 if layers > 1 else max(args.batch * per_request * 2, 64 * 2**20 // block_bytes)
     caches = [(torch.randn(pool, block, kv_heads, dim, generator=gen).bfloat16(),
                torch.randn(pool, block, kv_heads, dim, generator=gen).bfloat16()) for _ in range(layers)]
