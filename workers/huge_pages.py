@@ -10,6 +10,7 @@ of its own."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import sys
 
@@ -22,14 +23,13 @@ def zeros_on_huge_pages(*shape: int, dtype: torch.dtype, device: torch.device) -
     """`torch.zeros(*shape)`; on the CPU under Linux, in an anonymous mapping of its own advised for huge
     pages, all touched before this returns (as `torch.zeros` touches its memory). The tensor keeps the
     mapping alive."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if (torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or nbytes < HUGE_PAGE
             or not hasattr(mmap, "MADV_HUGEPAGE")):
         return torch.zeros(*shape, dtype=dtype, device=device)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory would follow shmem_enabled
+    # private: a shared mapping would get huge pages only as /sys/kernel/mm/transparent_hugepage/shmem_enabled says
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel without transparent huge pages: small pages, as torch would give
