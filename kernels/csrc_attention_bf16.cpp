@@ -8,7 +8,7 @@
 //   tile, so a query row's scores for 16 positions come from D/2 vector instructions with no horizontal
 //   sums, and the values into position-pair rows for the same reason.
 // - `paged_decode_attention_bf16`: single-token queries straight from the cache, one task per request, in
-//   16-position tiles with the next tile prefetched as the current one computes (see `decode_request`).
+//   16-position tiles, each load from memory paired with a prefetch of the next tile's same lines.
 //
 // `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
 #include <torch/extension.h>
@@ -196,17 +196,6 @@ void paged_prefill_attention_bf16_(torch::Tensor out, torch::Tensor q, torch::Te
 
 namespace {
 
-// Prefetches part `part` of `parts` of the cache lines of a tile's rows (element offsets `rows`, `count`
-// of them, `row_bytes` each). Issued a few lines at a time between the current tile's heads: a burst of
-// a whole tile's ~100 prefetches fills the core's miss queue and stalls it, while spread out they keep
-// memory busy as the current tile computes.
-inline void prefetch_part(const uint16_t* cache, const int64_t* rows, int64_t count, int64_t row_bytes, int64_t part,
-                          int64_t parts) {
-  const int64_t per_row = row_bytes / 64, lines = count * per_row;
-  for (int64_t l = part * lines / parts, e = (part + 1) * lines / parts; l < e; ++l)
-    _mm_prefetch(reinterpret_cast<const char*>(cache + rows[l / per_row]) + (l % per_row) * 64, _MM_HINT_T0);
-}
-
 struct DecodeScratch {
   std::vector<int64_t> rows;     // element offset of each position's K/V row (all KV heads)
   std::vector<float> scores;     // [heads, positions padded to 16]
@@ -220,6 +209,12 @@ struct DecodeScratch {
 // every query head (K rows from L1 after the first head of their KV head). Pass 2 interleaves a tile's V
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
+// Each load from memory is paired with a prefetch of the same lines one tile ahead (the last K tile's
+// go to the first V tile), so the prefetches keep the pace of the loads. Out of cache a core here is
+// limited by the misses it keeps in flight, and its arithmetic does not overlap them, so arithmetic saved
+// is time saved: the rows' offsets are computed block by block, with no division per position. Against
+// prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200 requests on a 2-core
+// Xeon from 70-73 to 64-67 ms (docs/results/amx-20261202c).
 template <int DC>
 void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t ctx, const int64_t* table, int64_t H,
                     float scale, DecodeScratch& s) {
@@ -227,18 +222,27 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
   const int64_t KVH = pg.kv_heads, G = H / KVH, row_bytes = KVH * D * 2;
   const int64_t tiles = (ctx + 15) / 16, n = tiles * 16, npairs = n / 2;
   s.rows.resize(n);
-  for (int64_t p = 0; p < n; ++p) s.rows[p] = pg.offset(table, std::min(p, ctx - 1));  // past ctx: a valid row, masked
+  const int64_t row_len = KVH * D;
+  for (int64_t p = 0, b = 0; p < ctx; ++b) {  // block by block: no division per position
+    const int64_t first_row = table[b] * pg.block_size * row_len;
+    for (int64_t i = 0; i < pg.block_size && p < ctx; ++i, ++p) s.rows[p] = first_row + i * row_len;
+  }
+  for (int64_t p = ctx; p < n; ++p) s.rows[p] = s.rows[ctx - 1];  // past ctx: a valid row, masked
   s.scores.resize(H * n);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t* rows = s.rows.data() + t * 16;
-    const bool last = t + 1 == tiles;  // then fetch the first V tile
+    const bool last = t + 1 == tiles;  // then the tile to fetch is the first V tile
+    const uint16_t* next_cache = last ? pg.v : pg.k;
+    const int64_t* next_rows = last ? s.rows.data() : rows + 16;
     for (int64_t h = 0; h < H; ++h) {
-      prefetch_part(last ? pg.v : pg.k, last ? s.rows.data() : rows + 16, 16, row_bytes, h, H);
       const int64_t j = h / G;
+      const bool from_memory = h % G == 0;  // the first head of its KV head loads the K lines; the rest hit L1
       __m512bh qv[DC];
       for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + h * D + 32 * c));
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
+        if (from_memory)  // the same KV head's lines of the next tile's row i
+          for (int c = 0; c < DC; ++c) _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
         const uint16_t* kr = pg.k + rows[i] + j * D;
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kr)));
         for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
@@ -252,9 +256,10 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
   for (int64_t h = 0; h < H; ++h) {
     float* sh = s.scores.data() + h * n;
     s.inv_sum[h] = 1.f / exp_row(sh, ctx, n);  // zero past ctx
-    uint32_t* ph = s.probs.data() + h * npairs;
-    for (int64_t p2 = 0; p2 < npairs; ++p2)
-      ph[p2] = static_cast<uint32_t>(float_to_bf16(sh[2 * p2])) | (static_cast<uint32_t>(float_to_bf16(sh[2 * p2 + 1])) << 16);
+    // In memory order a pair's word holds position 2k in its low half: 16 numerators to 16 bfloat16 at a
+    // time, rounded to nearest even (they are zero or normal: exp512 clamps its input above -87.3).
+    auto* ph = reinterpret_cast<__m256i*>(s.probs.data() + h * npairs);
+    for (int64_t p = 0; p < n; p += 16) _mm256_storeu_si256(ph + p / 16, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(sh + p))));
   }
   s.acc.assign(H * 2 * DC, _mm512_setzero_ps());
   s.vpairs.resize(8 * KVH * DC * 2);
@@ -262,6 +267,14 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     const int64_t* rows = s.rows.data() + t * 16;
     const int64_t count = std::min<int64_t>(16, ctx - t * 16), pairs = (count + 1) / 2;
     for (int64_t p2 = 0; p2 < pairs; ++p2) {
+      if (t + 1 < tiles) {  // the same two rows of the next tile
+        const char* n0 = reinterpret_cast<const char*>(pg.v + rows[16 + 2 * p2]);
+        const char* n1 = reinterpret_cast<const char*>(pg.v + rows[17 + 2 * p2]);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(n0 + b, _MM_HINT_T0);
+          _mm_prefetch(n1 + b, _MM_HINT_T0);
+        }
+      }
       const uint16_t* r0 = pg.v + rows[2 * p2];
       const uint16_t* r1 = 2 * p2 + 1 < count ? pg.v + rows[2 * p2 + 1] : nullptr;  // an odd tail pairs with zeros
       for (int64_t j = 0; j < KVH; ++j)
@@ -274,7 +287,6 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
         }
     }
     for (int64_t h = 0; h < H; ++h) {
-      if (t + 1 < tiles) prefetch_part(pg.v, rows + 16, 16, row_bytes, h, H);
       const int64_t j = h / G;
       __m512* acc = s.acc.data() + h * 2 * DC;
       __m512 a[2 * DC];
