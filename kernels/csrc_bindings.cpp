@@ -14,6 +14,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_bf16(torch::Tensor logits);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_vnni_bf16(torch::Tensor w);
@@ -34,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place, from cos/sin tables and positions");
   m.def("write_kv_", &write_kv_, "copy each token's K/V rows into its cache slot");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over [rows, 2n] -> [rows, n]");
+  m.def("argmax_bf16", &argmax_bf16, "each row's first maximum (NaN above all), as torch.max(dim=-1).indices",
+        py::call_guard<py::gil_scoped_release>());
   m.def("gemv_bf16", &gemv_bf16, "x [M, K] @ W[N, K]^T (+ bias) for a few rows, bfloat16",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("pack_vnni_bf16", &pack_vnni_bf16, "W [N, K] -> [N/16, K/2, 16, 2], the layout gemv_bf16 reads fastest",

@@ -141,6 +141,65 @@ void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloa
 }
 #endif
 
+// Whether (value b, index ib) comes before (a, ia) as a row's maximum: NaN above every number, then the
+// larger value, then the smaller index (the first maximum, as torch.max(dim=-1) picks it).
+inline bool ahead(float b, int64_t ib, float a, int64_t ia) {
+  const bool nb = std::isnan(b), na = std::isnan(a);
+  if (nb || na) return nb && (!na || ib < ia);
+  return b > a || (b == a && ib < ia);
+}
+
+// The index of the first maximum of n bfloat16 (n >= 1).
+int64_t argmax_row_bf16(const uint16_t* x, int64_t n) {
+  float best = kvrelay_simd::bf16_to_float(x[0]);
+  int64_t best_i = 0, i = 1;
+#ifdef KVRELAY_AVX512_BF16
+  if (n >= 64) {
+    // Four chains of 16 lanes, each over every fourth group of 16 (a lane keeps its first maximum: only a
+    // larger value, or a first NaN, replaces it), then merged lane by lane and across lanes by `ahead`.
+    constexpr int kChains = 4;
+    auto load = [&](int64_t at) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at))), 16));
+    };
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 vmax[kChains];
+    __m512i vidx[kChains];
+    for (int c = 0; c < kChains; ++c) {
+      vmax[c] = load(16 * c);
+      vidx[c] = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * c));
+    }
+    __m512i at = vidx[0];
+    const __m512i step = _mm512_set1_epi32(16 * kChains);
+    for (i = 16 * kChains; i + 16 * kChains <= n; i += 16 * kChains) {
+      at = _mm512_add_epi32(at, step);
+      for (int c = 0; c < kChains; ++c) {
+        const __m512 v = load(i + 16 * c);
+        // v > max, or v NaN, while max is not yet NaN
+        const __mmask16 take = _mm512_cmp_ps_mask(v, vmax[c], _CMP_NLE_UQ) & _mm512_cmp_ps_mask(vmax[c], vmax[c], _CMP_ORD_Q);
+        vmax[c] = _mm512_mask_mov_ps(vmax[c], take, v);
+        vidx[c] = _mm512_mask_mov_epi32(vidx[c], take, _mm512_add_epi32(at, _mm512_set1_epi32(16 * c)));
+      }
+    }
+    alignas(64) float m[kChains][16];
+    alignas(64) int32_t ix[kChains][16];
+    for (int c = 0; c < kChains; ++c) {
+      _mm512_store_ps(m[c], vmax[c]);
+      _mm512_store_si512(ix[c], vidx[c]);
+    }
+    best = m[0][0];
+    best_i = ix[0][0];
+    for (int c = 0; c < kChains; ++c)
+      for (int l = 0; l < 16; ++l)
+        if (ahead(m[c][l], ix[c][l], best, best_i)) best = m[c][l], best_i = ix[c][l];
+  }
+#endif
+  for (; i < n; ++i) {  // what the vector loop left (or all of it), every index past the ones above
+    const float v = kvrelay_simd::bf16_to_float(x[i]);
+    if (ahead(v, i, best, best_i)) best = v, best_i = i;
+  }
+  return best_i;
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous [rows, features] tensor");
 }
@@ -219,6 +278,22 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(gate_up.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gate_up.size(0), gate_up.size(1) / 2);
+  });
+  return out;
+}
+
+// logits: [rows, n] bfloat16 with dense rows -> int64 [rows]: each row's first maximum, a NaN counting above
+// every number, as torch.max(dim=-1).indices gives it (the sampler's greedy rows).
+torch::Tensor argmax_bf16(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kBFloat16 && logits.stride(1) == 1,
+              "logits must be [rows, n] bfloat16 with dense rows");
+  TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "rows must have 1 to 2^31 - 1 entries");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  const auto* x = reinterpret_cast<const uint16_t*>(logits.data_ptr());
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row_bf16(x + r * stride, n);
   });
   return out;
 }

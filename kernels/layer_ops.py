@@ -113,6 +113,12 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum ([rows, vocab] -> [rows] int64), a NaN counting above every number: the
+        greedy token. `max(dim=-1)` rather than `argmax`, which is ~5x slower on the CPU in bfloat16."""
+        return logits.max(dim=-1).indices
+
 
 class CppLayerOps(TorchLayerOps):
     name = "cpp"
@@ -246,6 +252,14 @@ class CppLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up):
         return self._ext.silu_and_mul(gate_up)
+
+    def argmax(self, logits):
+        # bfloat16 CPU logits with dense rows (the LM head's output): the compiled kernel, ~9x faster than
+        # torch at 200 rows of a 49,152-token vocabulary on a 2-core Xeon (0.36 against 3.3 ms); else torch
+        if (logits.dtype == torch.bfloat16 and logits.device.type == "cpu" and logits.dim() == 2 and logits.shape[1] > 0
+                and logits.stride(1) == 1):
+            return self._ext.argmax_bf16(logits)
+        return super().argmax(logits)
 
 
 def packable(w: torch.Tensor) -> bool:

@@ -185,7 +185,7 @@ class ModelRunner:
         states = [(g, g.get_state()) for g in gens if g is not None]
         try:
             result = sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
-                            [s.history for s in specs], extra, step.allowed)
+                            [s.history for s in specs], extra, step.allowed, self.model.ops.argmax)
         except BaseException:
             for g, state in states:
                 g.set_state(state)

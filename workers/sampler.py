@@ -10,10 +10,12 @@ their own generator while the rest share one draw."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels.layer_ops import TorchLayerOps
 from workers.penalties import History, adjust_logits, apply_min_p
 from workers.sampling_params import SamplingParams
 
@@ -74,18 +76,20 @@ def apply_token_bitmask(logits: torch.Tensor, allowed: RowBitmask) -> torch.Tens
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
-           extra: torch.Tensor | None = None, allowed: RowBitmask | None = None) -> SampleOutput:
+           extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
+           argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax) -> SampleOutput:
     """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
     logprobs run in float32 on the rows that need them); one `params`, optional generator, optional
     list of banned token ids and token history (needed by rows with penalties) per row. `extra`, a flat
     tensor on the device, comes back to the host in the same copy as the tokens (`SampleOutput.extra`);
-    `allowed`: the tokens that grammar-constrained rows may take."""
+    `allowed`: the tokens that grammar-constrained rows may take; `argmax`: each row's first maximum (the
+    model's layer ops give a compiled one on the CPU)."""
     raw = logits
     logits = _mask_banned(logits, banned or [])
     if allowed is not None:
         logits = apply_token_bitmask(logits, allowed)
     logits = adjust_logits(logits, params, histories or [])
-    greedy_tokens = logits.max(dim=-1).indices  # the first maximum, as argmax; ~3x faster on the CPU
+    greedy_tokens = argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens
     dev = logits.device

@@ -77,6 +77,36 @@ def test_silu_and_mul(dtype, width):
     _close(CPP.silu_and_mul(gate_up), REF.silu_and_mul(gate_up), dtype, exact=False)
 
 
+@pytest.mark.parametrize("width", [1, 15, 64, 65, 1000, 49152])  # scalar only, one vector group, tails
+def test_argmax_matches_torch_bit_for_bit(width):
+    """Each row's first maximum, as `max(dim=-1).indices`: ties take the first index (-0.0 ties +0.0), a NaN
+    counts above every number and the first NaN wins, infinities and all -inf rows included."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=gen).round().bfloat16()  # rounded: many ties
+    x[1] = float("-inf")
+    x[2, ::3] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, width // 2:] = float("inf")
+    x[5] = 0.0
+    x[5, ::2] = -0.0
+    x[6, width // 3] = 3e38
+    for logits in (x, torch.cat([x, x], dim=1)[:, width // 2:width // 2 + width]):  # dense and strided rows
+        got = CPP.argmax(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, REF.argmax(logits))
+        assert torch.equal(got, logits.max(dim=-1).indices)
+
+
+def test_argmax_leaves_other_tensors_to_torch():
+    x = torch.randn(3, 50)
+    assert torch.equal(CPP.argmax(x), x.max(dim=-1).indices)  # float32
+    t = torch.randn(50, 3).bfloat16().t()  # columns not dense
+    assert torch.equal(CPP.argmax(t), t.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="dense rows"):
+        CPP._ext.argmax_bf16(t)
+    with pytest.raises(RuntimeError, match="1 to"):
+        CPP._ext.argmax_bf16(torch.zeros(2, 0, dtype=torch.bfloat16))
+
+
 def test_bad_shapes_raise():
     with pytest.raises(RuntimeError, match="contiguous"):
         CPP.rms_norm(torch.zeros(4, 8).t(), torch.ones(4), EPS)

@@ -133,3 +133,24 @@ def test_sampler_bans_tokens_but_reports_raw_logprobs():
     assert out.logprobs[0][1] == 2  # its rank among all tokens
     none = sample(logits, params[:1] * 2, [None, None], [None, None])
     assert none.token_ids == [2, 2]
+
+
+def test_greedy_rows_take_the_compiled_argmax_in_bfloat16(tiny_model_dir, monkeypatch):
+    """On the CPU in bfloat16 the sampler's greedy rows go through the compiled ops' argmax, which picks the
+    tokens `max(dim=-1)` picks."""
+    llm = LLM(tiny_model_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+    ops = llm.engine.runner.model.ops
+    if ops.name != "cpp":
+        pytest.skip("the compiled kernels did not build")
+    compiled, calls = ops.argmax, []
+
+    def spy(logits):
+        tokens = compiled(logits)
+        calls.append(logits.dtype)
+        assert torch.equal(tokens, logits.max(dim=-1).indices)
+        return tokens
+
+    monkeypatch.setattr(ops, "argmax", spy)
+    outs = llm.generate(["a b c", "one two", "x"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+    assert calls and set(calls) == {torch.bfloat16}
