@@ -65,6 +65,7 @@ def run_decode_attention(args: argparse.Namespace) -> int:
 
     from kernels.cpp_attention import CppPagedAttention
     from kernels.cpu_extension import load_extension
+    from workers.huge_pages import zeros_on_huge_pages
 
     ext = load_extension()
     if not ext.has_avx512_bf16():
@@ -77,8 +78,11 @@ def run_decode_attention(args: argparse.Namespace) -> int:
     llc = last_level_cache_bytes()
     layers = args.layers if layers_given else auto_layers(args.batch * per_request * block_bytes * 2, llc)
     pool = args.batch * per_request * 2 if layers > 1 else max(args.batch * per_request * 2, 64 * 2**20 // block_bytes)
-    caches = [(torch.randn(pool, block, kv_heads, dim, generator=gen).bfloat16(),
-               torch.randn(pool, block, kv_heads, dim, generator=gen).bfloat16()) for _ in range(layers)]
+    def cache() -> torch.Tensor:  # on huge pages where the engine's cache is (workers/huge_pages.py)
+        t = zeros_on_huge_pages(pool, block, kv_heads, dim, dtype=torch.bfloat16, device=torch.device("cpu"))
+        return t.copy_(torch.randn(pool, block, kv_heads, dim, generator=gen))
+
+    caches = [(cache(), cache()) for _ in range(layers)]
     tables = [torch.randperm(pool, generator=gen)[:args.batch * per_request].view(args.batch, per_request).contiguous()
               for _ in range(layers)]
     lens = torch.randint(max(1, args.context - 60), args.context + 1, (args.batch,), generator=gen)
