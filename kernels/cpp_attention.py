@@ -3,6 +3,14 @@ table (no gather copy). Single-token queries use a decode kernel, one task per r
 CPUs with AVX512-BF16, decodes and chunks both use `csrc_attention_bf16.cpp`; other dtypes run chunks
 through the torch path's `chunk_attention` (masked SDPA) on the same decode/chunk split.
 
+On CPUs with AMX, torch's flash attention runs its matmuls on the tiles, where the bfloat16 chunk kernel
+tops out at the ~200 GFLOP/s of `vdpbf16ps`. There, bfloat16 steps whose chunks are all whole prompts of
+one length (at least `FLASH_MIN_QUERY_LEN`) go through `F.scaled_dot_product_attention` with `is_causal`,
+and a step of a single long chunk after a cached prefix through the torch path's masked SDPA; other steps
+keep the kernel. Those two gather the K/V they read from the cache first. On a 2-core Xeon with AMX (one layer of SmolLM2-135M, 9 / 3 heads): 16 prompts of 128
+tokens 2.24 -> 1.28 ms, one of 2,048 tokens 36.3 -> 7.4 ms, 512 tokens after 1,536 cached 15.6 -> 4.7 ms;
+32 prompts of 64 tokens 1.41 -> 0.99 ms, but 64 of 32 tokens 0.94 -> 1.22, hence the lower bound.
+
 The kernel is built with the other compiled CPU kernels (`kernels/cpu_extension.py`);
 `get_attention_backend("auto")` falls back to the torch backend when the build is unavailable."""
 
@@ -11,10 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
-from kernels.cpu_attention import ChunkGroup, DecodeGroup, chunk_attention, split_step
+from kernels.cpu_attention import ChunkGroup, DecodeGroup, chunk_attention, gather_kv, split_step
 from kernels.cpu_extension import load_extension, require_cpu
+from kernels.layer_ops import has_amx_bf16
+
+# The shortest prompt a chunk step goes to torch's flash attention with (on CPUs with AMX, bfloat16), and
+# the shortest single chunk after a cached prefix that goes to the masked SDPA.
+FLASH_MIN_QUERY_LEN = 64
+MASKED_MIN_QUERY_LEN = 256
 
 
 @dataclass(slots=True)
@@ -25,6 +40,10 @@ class CppAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [num_tokens]
     decodes: DecodeGroup | None
     chunks: ChunkGroup | None
+    # on CPUs with AMX, where bfloat16 chunks go: "flash" (whole prompts of one length; `flash_rows` are
+    # their rows of the step, prompt by prompt), "masked" (one long chunk), or "kernel"
+    chunk_path: str = "kernel"
+    flash_rows: torch.Tensor | None = None
 
 
 class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
@@ -35,6 +54,7 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
             raise ValueError(f"the cpp attention backend runs on the CPU, not {device}; use 'triton' or 'auto'")
         self._ext = load_extension()
         self._bf16 = self._ext.has_avx512_bf16()
+        self._torch_chunks = self._bf16 and has_amx_bf16()  # torch's SDPA on the AMX tiles for some chunk steps
 
     def takes_bf16(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether the compiled bfloat16 kernels run for `dtype` and `head_dim`: built for AVX512-BF16, and a
@@ -46,7 +66,15 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
         return self.takes_bf16(query.dtype, query.shape[-1])
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CppAttentionMetadata:
-        return CppAttentionMetadata(common.slot_mapping, *split_step(common))
+        meta = CppAttentionMetadata(common.slot_mapping, *split_step(common))
+        if self._torch_chunks and (ch := meta.chunks) is not None:
+            n = ch.max_query_len
+            if n >= FLASH_MIN_QUERY_LEN and bool((ch.query_lens == n).all()) and bool((ch.context_lens == n).all()):
+                meta.chunk_path = "flash"
+                meta.flash_rows = (ch.starts[:, None] + torch.arange(n, device=ch.starts.device)).flatten()
+            elif ch.starts.numel() == 1 and n >= MASKED_MIN_QUERY_LEN:
+                meta.chunk_path = "masked"
+        return meta
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: CppAttentionMetadata) -> None:
@@ -65,9 +93,24 @@ class CppPagedAttention(AttentionBackend[CppAttentionMetadata]):
         if dec is not None:
             out[dec.tokens] = kernel(query[dec.tokens], k_cache, v_cache, dec.block_tables, dec.context_lens, scale)
         if (ch := meta.chunks) is not None:
-            if bf16:
+            if bf16 and meta.chunk_path == "flash":
+                flash_prompts(query, k_cache, v_cache, ch, meta.flash_rows, scale, out)
+            elif bf16 and meta.chunk_path == "kernel":
                 self._ext.paged_prefill_attention_bf16_(out, query, k_cache, v_cache, ch.block_tables, ch.starts,
                                                         ch.query_lens, ch.context_lens, scale)
             else:
                 chunk_attention(query, k_cache, v_cache, ch, scale, out)
         return out
+
+
+def flash_prompts(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunks: ChunkGroup,
+                  rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of whole prompts of one length (each chunk's context is its own query tokens) in one
+    `F.scaled_dot_product_attention` call, written into their `rows` of `out`."""
+    r, n = chunks.starts.numel(), chunks.max_query_len
+    _, h, d = query.shape
+    q = query.index_select(0, rows).view(r, n, h, d).transpose(1, 2)
+    k = gather_kv(k_cache, chunks.block_tables)[:, :, :n]
+    v = gather_kv(v_cache, chunks.block_tables)[:, :, :n]
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    out[rows] = o.transpose(1, 2).reshape(r * n, h, d)

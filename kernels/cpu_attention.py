@@ -70,7 +70,7 @@ def split_step(common: CommonAttentionMetadata) -> tuple[DecodeGroup | None, Chu
     return decodes, chunks
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] gathered by [b, nb] -> [b, kvh, nb*bs, d]."""
     b, nb = block_tables.shape
     _, bs, kvh, d = cache.shape
@@ -103,8 +103,8 @@ def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lay = chunks.layout
     bp, max_q = lay.tokens.shape
     q = query[lay.tokens].view(bp, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, max_q * g, d)
-    k = _gather_kv(k_cache, chunks.block_tables)
-    v = _gather_kv(v_cache, chunks.block_tables)
+    k = gather_kv(k_cache, chunks.block_tables)
+    v = gather_kv(v_cache, chunks.block_tables)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask, scale=scale)
     o = o.view(bp, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(bp, max_q, h, d)
     out[lay.valid_tokens] = o[lay.valid]
@@ -119,8 +119,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if decodes.mask is None:
         key_pos = torch.arange(decodes.block_tables.shape[1] * k_cache.shape[1], device=q.device)
         decodes.mask = (key_pos[None, :] < decodes.context_lens[:, None])[:, None, None, :]
-    k = _gather_kv(k_cache, decodes.block_tables)
-    v = _gather_kv(v_cache, decodes.block_tables)
+    k = gather_kv(k_cache, decodes.block_tables)
+    v = gather_kv(v_cache, decodes.block_tables)
     o = F.scaled_dot_product_attention(q.view(b, kvh, h // kvh, d), k, v, attn_mask=decodes.mask, scale=scale)
     return o.reshape(b, h, d)
 

@@ -46,7 +46,9 @@ def common_metadata(query_lens: list[int], context_lens: list[int], block_tables
                                    torch.tensor(slots), block_size, heads, kv_heads)
 
 
-def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0, backend="torch"):
+def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=400, seed=0, backend="torch",
+             metas=None):
+    """The backend's output for `batch` and dense attention's; the step's metadata goes into `metas` if given."""
     gen = torch.Generator().manual_seed(seed)
     backend = get_attention_backend(backend)
     k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
@@ -66,6 +68,8 @@ def run_case(block_size, dtype, batch, heads=6, kv_heads=2, dim=16, num_blocks=4
         values.append(v)
     meta = backend.build_metadata(common_metadata([q for q, _ in batch], [c for _, c in batch], tables, slots,
                                                   block_size, heads, kv_heads))
+    if metas is not None:
+        metas.append(meta)
     backend.write_kv(k_cache, v_cache, torch.cat([k[c - q:] for k, (q, c) in zip(keys, batch)]),
                      torch.cat([v[c - q:] for v, (q, c) in zip(values, batch)]), meta)
     query = torch.randn(sum(q for q, _ in batch), heads, dim, generator=gen).to(dtype)
@@ -159,6 +163,31 @@ def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
                              num_blocks=2000, backend="cpp")
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     assert (out.float() - expected).abs().mean() < 1e-3  # bfloat16 rounding of the output, no more
+
+
+@needs_compiled_kernels
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("batch,path", [
+    ([(80, 80), (80, 80), (80, 80)], "flash"),  # whole prompts of one length: torch's flash attention
+    ([(1, 40), (96, 96), (1, 7), (96, 96)], "flash"),  # decodes in the same step
+    ([(300, 700)], "masked"),  # one long chunk after a cached prefix: the masked SDPA
+    ([(300, 300)], "flash"),  # one whole long prompt
+    ([(80, 80), (81, 81)], "kernel"),  # lengths differ
+    ([(40, 40), (40, 40)], "kernel"),  # too short to gain
+    ([(80, 100), (80, 100)], "kernel"),  # after cached prefixes, more than one chunk
+])
+def test_bf16_chunk_paths_match_dense(monkeypatch, amx, batch, path):
+    """On CPUs with AMX some bfloat16 chunk steps go to torch's SDPA instead of the chunk kernel; every path
+    matches dense attention. Without AMX every step keeps the kernel."""
+    monkeypatch.setattr("kernels.cpp_attention.has_amx_bf16", lambda: amx)
+    if not get_attention_backend("cpp")._bf16:
+        pytest.skip("no AVX512-BF16: the bfloat16 kernels are not built")
+    metas = []
+    out, expected = run_case(16, torch.bfloat16, batch, heads=9, kv_heads=3, dim=64, num_blocks=300, backend="cpp",
+                             metas=metas)
+    assert metas[0].chunk_path == (path if amx else "kernel")
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert (out.float() - expected).abs().mean() < 1e-3
 
 
 @needs_compiled_kernels
