@@ -7,9 +7,10 @@ On CPUs with AMX, torch's flash attention runs its matmuls on the tiles, where t
 tops out at the ~200 GFLOP/s of `vdpbf16ps`. There, bfloat16 steps whose chunks are all whole prompts of
 one length (at least `FLASH_MIN_QUERY_LEN`) go through `F.scaled_dot_product_attention` with `is_causal`,
 and a step of a single long chunk after a cached prefix through the torch path's masked SDPA; other steps
-keep the kernel. Those two gather the K/V they read from the cache first. On a 2-core Xeon with AMX (one layer of SmolLM2-135M, 9 / 3 heads): 16 prompts of 128
-tokens 2.24 -> 1.28 ms, one of 2,048 tokens 36.3 -> 7.4 ms, 512 tokens after 1,536 cached 15.6 -> 4.7 ms;
-32 prompts of 64 tokens 1.41 -> 0.99 ms, but 64 of 32 tokens 0.94 -> 1.22, hence the lower bound.
+keep the kernel. Those two gather the K/V they read from the cache first. On a 2-core Xeon with AMX (one
+layer of SmolLM2-135M, 9 / 3 heads): 16 prompts of 128 tokens 2.24 -> 1.28 ms, one of 2,048 tokens 36.3 ->
+7.4 ms, 512 tokens after 1,536 cached 15.6 -> 4.7 ms; 32 prompts of 64 tokens 1.41 -> 0.99 ms, but 64 of 32
+tokens 0.94 -> 1.22, hence the lower bound.
 
 The kernel is built with the other compiled CPU kernels (`kernels/cpu_extension.py`);
 `get_attention_backend("auto")` falls back to the torch backend when the build is unavailable."""
