@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.cpu_attention import ChunkGroup, DecodeGroup, chunk_attention, gather_kv, split_step
-from kernels.cpu_extension import load_extension, require_cpu
-from kernels.layer_ops import has_amx_bf16
+from kernels.cpu_extension import has_amx_bf16, load_extension, require_cpu
 
 # The shortest prompt a chunk step goes to torch's flash attention with (on CPUs with AMX, bfloat16), and
 # the shortest single chunk after a cached prefix that goes to the masked SDPA.

@@ -52,6 +52,16 @@ def load_extension():
                     extra_ldflags=_LDFLAGS, build_directory=str(build_directory))
 
 
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles that oneDNN's bfloat16 matmuls and torch's flash attention use (torch's
+    own check)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:
+        return False
+
+
 def require_cpu(*tensors: torch.Tensor) -> None:
     """The compiled kernels read host memory: refuse anything else with an error that says what to use."""
     for t in tensors:

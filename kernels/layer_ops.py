@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu_extension import has_amx_bf16
 
 
 # Every linear layer of SmolLM2-135M's 30 layers in turn, 2 threads, median of 7, four runs on one host
@@ -35,15 +36,6 @@ VNNI_MAX_ROWS = 128
 # AVX512-BF16 dot products top out at ~200 GFLOP/s; burst cap 256 offline went from 622 to 800 tok/s with both
 # limits at 8 (docs/benchmarks.md). The row-major GEMV against F.linear crossed between 12 and 16 rows.
 AMX_GEMV_MAX_ROWS = AMX_VNNI_MAX_ROWS = 8
-
-
-def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles that oneDNN's bfloat16 matmuls use (torch's own check)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(check()) if check is not None else False
-    except Exception:
-        return False
 
 
 def default_row_limits() -> tuple[int, int]:

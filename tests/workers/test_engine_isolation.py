@@ -108,11 +108,14 @@ def test_sampling_failure_is_found_by_bisection(engine, alone):
 def test_forward_failure_is_found_by_bisection(engine, alone, monkeypatch):
     real = engine.runner.model
 
-    class Model:
+    class Model:  # the real model, whose forward pass fails on one token
         def __call__(self, input_ids, *args):
             if bool((input_ids == 4242).any()):
                 raise RuntimeError("the forward pass broke")
             return real(input_ids, *args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
 
     monkeypatch.setattr(engine.runner, "model", Model())
     finished, failed = run(engine, _with_bad(GREEDY, bad_prompt=[1, 4242, 3]))
