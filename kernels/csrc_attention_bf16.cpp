@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -316,12 +317,18 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
   }
 }
 
+// Requests are handed out one at a time from a shared counter, not a fixed share per thread: when another
+// process preempts one thread (a server's HTTP path, Ray's own), the others take its remaining requests
+// instead of waiting for it at the end. With a process spinning 2 ms in every 10 beside it, a 30-layer sweep
+// of 200 requests on a 2-core Xeon took 72 ms instead of 77 (67.8 ms either way without it).
 template <int DC>
 void decode_all(const Paged& pg, const uint16_t* q, uint16_t* out, const int64_t* context_lens, int64_t B, int64_t H,
                 float scale) {
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), B);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     DecodeScratch scratch;
-    for (int64_t b = begin; b < end; ++b)
+    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < B;)
       decode_request<DC>(pg, q + b * H * DC * 32, out + b * H * DC * 32, context_lens[b], pg.tables + b * pg.table_width, H,
                          scale, scratch);
   });
