@@ -158,26 +158,24 @@ int64_t argmax_row_bf16(const uint16_t* x, int64_t n) {
     // Four chains of 16 lanes, each over every fourth group of 16 (a lane keeps its first maximum: only a
     // larger value, or a first NaN, replaces it), then merged lane by lane and across lanes by `ahead`.
     constexpr int kChains = 4;
-    auto load = [&](int64_t at) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at))), 16));
-    };
+    using kvrelay_simd::load_bf16x16;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 vmax[kChains];
     __m512i vidx[kChains];
     for (int c = 0; c < kChains; ++c) {
-      vmax[c] = load(16 * c);
+      vmax[c] = load_bf16x16(x + 16 * c);
       vidx[c] = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * c));
     }
-    __m512i at = vidx[0];
+    __m512i first = vidx[0];  // the indices of the first chain's current group
     const __m512i step = _mm512_set1_epi32(16 * kChains);
     for (i = 16 * kChains; i + 16 * kChains <= n; i += 16 * kChains) {
-      at = _mm512_add_epi32(at, step);
+      first = _mm512_add_epi32(first, step);
       for (int c = 0; c < kChains; ++c) {
-        const __m512 v = load(i + 16 * c);
+        const __m512 v = load_bf16x16(x + i + 16 * c);
         // v > max, or v NaN, while max is not yet NaN
         const __mmask16 take = _mm512_cmp_ps_mask(v, vmax[c], _CMP_NLE_UQ) & _mm512_cmp_ps_mask(vmax[c], vmax[c], _CMP_ORD_Q);
         vmax[c] = _mm512_mask_mov_ps(vmax[c], take, v);
-        vidx[c] = _mm512_mask_mov_epi32(vidx[c], take, _mm512_add_epi32(at, _mm512_set1_epi32(16 * c)));
+        vidx[c] = _mm512_mask_mov_epi32(vidx[c], take, _mm512_add_epi32(first, _mm512_set1_epi32(16 * c)));
       }
     }
     alignas(64) float m[kChains][16];
