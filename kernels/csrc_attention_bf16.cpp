@@ -8,7 +8,8 @@
 //   tile, so a query row's scores for 16 positions come from D/2 vector instructions with no horizontal
 //   sums, and the values into position-pair rows for the same reason.
 // - `paged_decode_attention_bf16`: single-token queries straight from the cache, one task per request, in
-//   16-position tiles, each load from memory paired with a prefetch of the next tile's same lines.
+//   16-position tiles, each load from memory paired with a prefetch of the next tile's same lines into L1
+//   and of the tile after it into L2.
 //
 // `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
 #include <torch/extension.h>
@@ -197,6 +198,13 @@ void paged_prefill_attention_bf16_(torch::Tensor out, torch::Tensor q, torch::Te
 
 namespace {
 
+// How many tiles ahead of its loads the decode kernel also prefetches into L2 (`_MM_HINT_T1`), besides the
+// next tile into L1: the misses then start a tile earlier and more of them are in flight. On a 2-core Xeon
+// (AMX host, 30 layers out of cache) the kernel read 17.1-17.4 GB/s against 16.4-16.9 without, and a steady
+// decode step of 200 / 64 rows took 112.5-116.3 / 44.3-45.3 ms against 116.0-120.8 / 46.6-46.9; 3 and 4
+// tiles ahead, or `_MM_HINT_T2`, did no better (docs/benchmarks.md).
+constexpr int64_t kL2TilesAhead = 2;
+
 struct DecodeScratch {
   std::vector<int64_t> rows;     // element offset of each position's K/V row (all KV heads)
   std::vector<float> scores;     // [heads, positions padded to 16]
@@ -211,7 +219,8 @@ struct DecodeScratch {
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
 // Each load from memory is paired with a prefetch of the same lines one tile ahead (the last K tile's
-// go to the first V tile), so the prefetches keep the pace of the loads. Out of cache a core here is
+// go to the first V tile), so the prefetches keep the pace of the loads, and with one into L2
+// `kL2TilesAhead` tiles ahead, which starts each miss a tile earlier. Out of cache a core here is
 // limited by the misses it keeps in flight, and its arithmetic does not overlap them, so arithmetic saved
 // is time saved: the rows' offsets are computed block by block, with no division per position. Against
 // prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200 requests on a 2-core
@@ -235,6 +244,12 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     const bool last = t + 1 == tiles;  // then the tile to fetch is the first V tile
     const uint16_t* next_cache = last ? pg.v : pg.k;
     const int64_t* next_rows = last ? s.rows.data() : rows + 16;
+    // kL2TilesAhead tiles ahead, into L2: a K tile, or from the last K tiles the first V tiles
+    const bool far_k = t + kL2TilesAhead < tiles;
+    const int64_t far_tile = far_k ? t + kL2TilesAhead : t + kL2TilesAhead - tiles;
+    const bool far_ok = far_tile < tiles;
+    const uint16_t* far_cache = far_k ? pg.k : pg.v;
+    const int64_t* far_rows = s.rows.data() + (far_ok ? far_tile : 0) * 16;
     for (int64_t h = 0; h < H; ++h) {
       const int64_t j = h / G;
       const bool from_memory = h % G == 0;  // the first head of its KV head loads the K lines; the rest hit L1
@@ -242,8 +257,11 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
       for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + h * D + 32 * c));
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
-        if (from_memory)  // the same KV head's lines of the next tile's row i
-          for (int c = 0; c < DC; ++c) _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
+        if (from_memory)  // the same KV head's lines of the next tile's row i, and of the far tile's
+          for (int c = 0; c < DC; ++c) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
+            if (far_ok) _mm_prefetch(reinterpret_cast<const char*>(far_cache + far_rows[i] + j * D + 32 * c), _MM_HINT_T1);
+          }
         const uint16_t* kr = pg.k + rows[i] + j * D;
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kr)));
         for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
@@ -274,6 +292,14 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
         for (int64_t b = 0; b < row_bytes; b += 64) {
           _mm_prefetch(n0 + b, _MM_HINT_T0);
           _mm_prefetch(n1 + b, _MM_HINT_T0);
+        }
+      }
+      if (t + kL2TilesAhead < tiles) {  // and of the far tile, into L2
+        const char* f0 = reinterpret_cast<const char*>(pg.v + rows[16 * kL2TilesAhead + 2 * p2]);
+        const char* f1 = reinterpret_cast<const char*>(pg.v + rows[16 * kL2TilesAhead + 1 + 2 * p2]);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(f0 + b, _MM_HINT_T1);
+          _mm_prefetch(f1 + b, _MM_HINT_T1);
         }
       }
       const uint16_t* r0 = pg.v + rows[2 * p2];
