@@ -1,8 +1,9 @@
 """Starting or joining Ray for `kvrelay serve` and the tests, with the settings this project needs.
 
 Set before Ray is imported: no usage stats, no token auth (Ray 2.60 turns it on by default and later
-runs then need the token), and for a local cluster, loopback only. A local cluster gets a short temp
-dir (Ray's socket paths must stay under 108 characters) and no dashboard (the largest start-up cost)."""
+runs then need the token), and for a local cluster, loopback only and Serve's control loop every 0.25 s
+instead of 0.1 (`SERVE_CONTROL_LOOP_INTERVAL_S`). A local cluster gets a short temp dir (Ray's socket
+paths must stay under 108 characters) and no dashboard (the largest start-up cost)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ import urllib.error
 import urllib.request
 
 
+# Serve's controller runs its control loop (replica states, autoscaling decisions, a node list from the GCS)
+# every 0.1 s by default, which on a 2-core host costs more than anything else in an idle server. Every
+# 0.25 s: an idle server used 1.13-1.35 CPU-s in 20 s against 1.47-1.56, the controller 0.34-0.36 CPU-s
+# in a burst (cap 256) against 0.58-0.60, and the server was ready as soon (13.1 s); every 0.5 or 1 s saved
+# little more and took 1-2 s longer to be ready (docs/benchmarks.md). Set the variable to override.
+SERVE_CONTROL_LOOP_INTERVAL_S = "0.25"
+
+
 def prepare_ray_env(local: bool) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if local:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", SERVE_CONTROL_LOOP_INTERVAL_S)
 
 
 def init_ray(num_cpus: int | None = None) -> str | None:

@@ -27,7 +27,7 @@ from serving_helpers import http
 from serving.app_config import AppConfig
 from serving.cli import (add_app_options, add_engine_options, app_config_from_args, engine_config_from_args,
                          flag_options, main)
-from serving.ray_cluster import check_port_free, free_port
+from serving.ray_cluster import SERVE_CONTROL_LOOP_INTERVAL_S, check_port_free, free_port, prepare_ray_env
 from workers.config import EngineConfig, parse_memory
 
 KVRELAY = Path(sys.executable).with_name("kvrelay")
@@ -130,6 +130,18 @@ def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica(
     check_port_free("127.0.0.1", port)  # Serve's proxy binds with SO_REUSEADDR
     with pytest.raises(ValueError, match="connections closed within the last minute"):
         check_port_free("127.0.0.1", port, reuse_addr=False)
+
+
+def test_a_local_cluster_runs_serves_control_loop_less_often_unless_told(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "")  # so that the test's changes are undone
+    monkeypatch.delenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S")
+    prepare_ray_env(local=False)  # a cluster we join keeps its own settings
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in os.environ
+    prepare_ray_env(local=True)
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == SERVE_CONTROL_LOOP_INTERVAL_S == "0.25"
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    prepare_ray_env(local=True)
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
 
 
 def test_direct_ingress_is_refused_where_it_cannot_serve(monkeypatch, capsys):
