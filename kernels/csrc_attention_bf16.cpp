@@ -205,6 +205,17 @@ namespace {
 // tiles ahead, or `_MM_HINT_T2`, did no better (docs/benchmarks.md).
 constexpr int64_t kL2TilesAhead = 2;
 
+// Every line of the rows at `rows[0]` and `rows[1]` (element offsets) of `cache`, `bytes` a row.
+template <_mm_hint Hint>
+inline void prefetch_row_pair(const uint16_t* cache, const int64_t* rows, int64_t bytes) {
+  const char* r0 = reinterpret_cast<const char*>(cache + rows[0]);
+  const char* r1 = reinterpret_cast<const char*>(cache + rows[1]);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    _mm_prefetch(r0 + b, Hint);
+    _mm_prefetch(r1 + b, Hint);
+  }
+}
+
 struct DecodeScratch {
   std::vector<int64_t> rows;     // element offset of each position's K/V row (all KV heads)
   std::vector<float> scores;     // [heads, positions padded to 16]
@@ -286,22 +297,9 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     const int64_t* rows = s.rows.data() + t * 16;
     const int64_t count = std::min<int64_t>(16, ctx - t * 16), pairs = (count + 1) / 2;
     for (int64_t p2 = 0; p2 < pairs; ++p2) {
-      if (t + 1 < tiles) {  // the same two rows of the next tile
-        const char* n0 = reinterpret_cast<const char*>(pg.v + rows[16 + 2 * p2]);
-        const char* n1 = reinterpret_cast<const char*>(pg.v + rows[17 + 2 * p2]);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(n0 + b, _MM_HINT_T0);
-          _mm_prefetch(n1 + b, _MM_HINT_T0);
-        }
-      }
-      if (t + kL2TilesAhead < tiles) {  // and of the far tile, into L2
-        const char* f0 = reinterpret_cast<const char*>(pg.v + rows[16 * kL2TilesAhead + 2 * p2]);
-        const char* f1 = reinterpret_cast<const char*>(pg.v + rows[16 * kL2TilesAhead + 1 + 2 * p2]);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(f0 + b, _MM_HINT_T1);
-          _mm_prefetch(f1 + b, _MM_HINT_T1);
-        }
-      }
+      // the same two rows of the next tile, and of the far tile into L2
+      if (t + 1 < tiles) prefetch_row_pair<_MM_HINT_T0>(pg.v, rows + 16 + 2 * p2, row_bytes);
+      if (t + kL2TilesAhead < tiles) prefetch_row_pair<_MM_HINT_T1>(pg.v, rows + 16 * kL2TilesAhead + 2 * p2, row_bytes);
       const uint16_t* r0 = pg.v + rows[2 * p2];
       const uint16_t* r1 = 2 * p2 + 1 < count ? pg.v + rows[2 * p2 + 1] : nullptr;  // an odd tail pairs with zeros
       for (int64_t j = 0; j < KVH; ++j)
