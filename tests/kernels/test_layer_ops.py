@@ -17,13 +17,14 @@ REF, CPP = TorchLayerOps(), CppLayerOps()
 EPS = 1e-5
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact: bool = True) -> None:
-    """bfloat16: identical, or (`exact=False`) at most one value in 1,000 one rounding step apart."""
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact: bool = True, steps: int = 1) -> None:
+    """bfloat16: identical, or (`exact=False`) at most one value in 1,000 apart, by at most `steps` rounding
+    steps."""
     if dtype == torch.bfloat16 and exact:
         assert torch.equal(a, b)
     elif dtype == torch.bfloat16:
         assert (a != b).float().mean() < 1e-3
-        torch.testing.assert_close(a, b, atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(a, b, atol=0, rtol=steps * 2 ** -7)
     else:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
@@ -34,7 +35,10 @@ def test_rms_norm(dtype, rows, width):
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
     w = (torch.rand(width, generator=gen) + 0.5).to(dtype)
-    _close(CPP.rms_norm(x, w, EPS), REF.rms_norm(x, w, EPS), dtype, exact=False)
+    # RMSNorm rounds twice: the normalised value to bfloat16, then its product with the weight. A sum of
+    # squares added in another order than torch's can flip the first rounding, which the weight (up to 1.5
+    # here) then scales to up to 1.5 steps of the output; ~3 values in 10^6 differ (docs/benchmarks.md).
+    _close(CPP.rms_norm(x, w, EPS), REF.rms_norm(x, w, EPS), dtype, exact=False, steps=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -48,11 +52,11 @@ def test_add_rms_norm_updates_the_stream_in_place(dtype):
     out_x, out_h = CPP.add_rms_norm(stream, delta, w, EPS)
     assert out_x is stream
     _close(stream, ref_x, dtype)
-    _close(out_h, ref_h, dtype, exact=False)
+    _close(out_h, ref_h, dtype, exact=False, steps=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", [64, 32, 128])
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 48])  # 48: halves not whole vectors
 def test_rope_in_place_on_a_strided_view(dtype, head_dim):
     tokens, heads, extra = 33, 5, 3  # q and k heads inside a wider fused row, as the model calls it
     gen = torch.Generator().manual_seed(head_dim)
