@@ -70,6 +70,14 @@ def split_step(common: CommonAttentionMetadata) -> tuple[DecodeGroup | None, Chu
     return decodes, chunks
 
 
+def chunk_subgroup(chunks: ChunkGroup, keep: torch.Tensor, block_size: int) -> ChunkGroup:
+    """The chunks where the boolean `keep` is set, their block tables cut to the blocks they use."""
+    idx = keep.nonzero().squeeze(1)
+    ctx, qlen = chunks.context_lens[idx], chunks.query_lens[idx]
+    nb = int((ctx.max() + block_size - 1) // block_size)
+    return ChunkGroup(chunks.starts[idx], qlen, ctx, chunks.block_tables[idx, :nb].contiguous(), int(qlen.max()))
+
+
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[num_blocks, bs, kvh, d] gathered by [b, nb] -> [b, kvh, nb*bs, d]."""
     b, nb = block_tables.shape

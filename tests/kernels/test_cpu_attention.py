@@ -172,7 +172,9 @@ def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
     ([(1, 40), (96, 96), (1, 7), (96, 96)], "flash"),  # decodes in the same step
     ([(300, 700)], "masked"),  # one long chunk after a cached prefix: the masked SDPA
     ([(300, 300)], "flash"),  # one whole long prompt
-    ([(80, 80), (81, 81)], "kernel"),  # lengths differ
+    ([(80, 80), (81, 81)], "split"),  # lengths differ: one goes to flash attention, the other to the kernel
+    ([(1, 40), (96, 96), (30, 130), (96, 96), (1, 7), (50, 50), (96, 96)], "split"),  # a burst's prefill step
+    ([(64, 64), (100, 100), (64, 64), (100, 100), (100, 100)], "split"),  # the most common length to flash
     ([(40, 40), (40, 40)], "kernel"),  # too short to gain
     ([(80, 100), (80, 100)], "kernel"),  # after cached prefixes, more than one chunk
 ])
@@ -185,7 +187,15 @@ def test_bf16_chunk_paths_match_dense(monkeypatch, amx, batch, path):
     metas = []
     out, expected = run_case(16, torch.bfloat16, batch, heads=9, kv_heads=3, dim=64, num_blocks=300, backend="cpp",
                              metas=metas)
-    assert metas[0].chunk_path == (path if amx else "kernel")
+    meta = metas[0]
+    assert meta.chunk_path == (path if amx else "kernel")
+    if meta.chunk_path == "split":  # every chunk in exactly one group, the flash group's all whole prompts
+        flash, rest = meta.flash_chunks, meta.kernel_chunks
+        assert flash.starts.numel() + rest.starts.numel() == meta.chunks.starts.numel()
+        assert bool((flash.query_lens == flash.context_lens).all()) and flash.query_lens.unique().numel() == 1
+        assert set(flash.starts.tolist()).isdisjoint(rest.starts.tolist())
+        whole = [q for q, c in batch if q == c and q >= 64]
+        assert flash.query_lens[0] == max(whole, key=whole.count)  # the most common whole-prompt length
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     assert (out.float() - expected).abs().mean() < 1e-3
 
