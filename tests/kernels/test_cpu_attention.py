@@ -175,6 +175,7 @@ def test_bf16_kernels_match_dense(block_size, dim, heads, kv_heads):
     ([(80, 80), (81, 81)], "split"),  # lengths differ: one goes to flash attention, the other to the kernel
     ([(1, 40), (96, 96), (30, 130), (96, 96), (1, 7), (50, 50), (96, 96)], "split"),  # a burst's prefill step
     ([(64, 64), (100, 100), (64, 64), (100, 100), (100, 100)], "split"),  # the most common length to flash
+    ([(1, 40), (96, 96), (96, 96), (96, 96), (42, 96)], "split"),  # the flash prompts one run of rows
     ([(40, 40), (40, 40)], "kernel"),  # too short to gain
     ([(80, 100), (80, 100)], "kernel"),  # after cached prefixes, more than one chunk
 ])
@@ -189,6 +190,10 @@ def test_bf16_chunk_paths_match_dense(monkeypatch, amx, batch, path):
                              metas=metas)
     meta = metas[0]
     assert meta.chunk_path == (path if amx else "kernel")
+    if meta.chunk_path in ("flash", "split"):  # prompts that follow each other in the step: a slice of rows
+        n = int(meta.flash_chunks.query_lens[0])
+        at = [i for i, (q, c) in enumerate(batch) if q == c == n]
+        assert isinstance(meta.flash_rows, slice) == (at == list(range(at[0], at[-1] + 1)))
     if meta.chunk_path == "split":  # every chunk in exactly one group, the flash group's all whole prompts
         flash, rest = meta.flash_chunks, meta.kernel_chunks
         assert flash.starts.numel() + rest.starts.numel() == meta.chunks.starts.numel()
