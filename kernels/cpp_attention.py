@@ -10,7 +10,7 @@ and a step of a single long chunk after a cached prefix through the torch path's
 keep the kernel. A step with whole prompts of one length beside other chunks (a burst's prefill steps: the
 budget cuts one prompt short, and decodes ride along) splits them: the prompts of the most common length go
 to flash attention and the rest to the kernel. One layer of such a step (15 prompts of 128 tokens, one cut
-to 42, 40 decodes) took 1.88-2.17 ms split against 2.55-2.59 in the kernel on the same host. Flash attention
+to 42, 40 decodes) took 1.73 ms split against 2.55-2.67 in the kernel on the same host. Flash attention
 and the masked SDPA gather the K/V they read from the cache first. On a 2-core Xeon with AMX (one
 layer of SmolLM2-135M, 9 / 3 heads): 16 prompts of 128 tokens 2.24 -> 1.28 ms, one of 2,048 tokens 36.3 ->
 7.4 ms, 512 tokens after 1,536 cached 15.6 -> 4.7 ms; 32 prompts of 64 tokens 1.41 -> 0.99 ms, but 64 of 32
@@ -44,9 +44,10 @@ class CppAttentionMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [num_tokens]
     decodes: DecodeGroup | None
     chunks: ChunkGroup | None
-    # on CPUs with AMX, where bfloat16 chunks go: "flash" (whole prompts of one length; `flash_rows` are
-    # their rows of the step, prompt by prompt: a slice when they follow each other), "split" (`flash_chunks` so, `kernel_chunks` the others to
-    # the kernel), "masked" (one long chunk), or "kernel"
+    # on CPUs with AMX, where bfloat16 chunks go: "flash" (whole prompts of one length, `flash_chunks`;
+    # `flash_rows` are their rows of the step, prompt by prompt, a slice when they follow each other),
+    # "split" (those to flash attention, `kernel_chunks` the others to the kernel), "masked" (one long
+    # chunk), or "kernel"
     chunk_path: str = "kernel"
     flash_rows: torch.Tensor | slice | None = None
     flash_chunks: ChunkGroup | None = None
