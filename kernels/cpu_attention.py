@@ -62,20 +62,21 @@ def split_step(common: CommonAttentionMetadata) -> tuple[DecodeGroup | None, Chu
         decodes = DecodeGroup(starts[idx], ctx, common.block_tables[idx, :nb].contiguous())
     is_chunk = ~is_decode
     if bool(is_chunk.any()):
-        idx = is_chunk.nonzero().squeeze(1)
-        ctx = common.context_lens[idx]
-        nb = int((ctx.max() + bs - 1) // bs)
-        qlen = common.query_lens[idx]
-        chunks = ChunkGroup(starts[idx], qlen, ctx, common.block_tables[idx, :nb].contiguous(), int(qlen.max()))
+        chunks = _select_chunks(starts, common.query_lens, common.context_lens, common.block_tables, is_chunk, bs)
     return decodes, chunks
 
 
 def chunk_subgroup(chunks: ChunkGroup, keep: torch.Tensor, block_size: int) -> ChunkGroup:
     """The chunks where the boolean `keep` is set, their block tables cut to the blocks they use."""
+    return _select_chunks(chunks.starts, chunks.query_lens, chunks.context_lens, chunks.block_tables, keep, block_size)
+
+
+def _select_chunks(starts: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor, keep: torch.Tensor, block_size: int) -> ChunkGroup:
     idx = keep.nonzero().squeeze(1)
-    ctx, qlen = chunks.context_lens[idx], chunks.query_lens[idx]
+    ctx, qlen = context_lens[idx], query_lens[idx]
     nb = int((ctx.max() + block_size - 1) // block_size)
-    return ChunkGroup(chunks.starts[idx], qlen, ctx, chunks.block_tables[idx, :nb].contiguous(), int(qlen.max()))
+    return ChunkGroup(starts[idx], qlen, ctx, block_tables[idx, :nb].contiguous(), int(qlen.max()))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
