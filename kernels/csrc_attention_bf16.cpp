@@ -204,6 +204,15 @@ namespace {
 // decode step of 200 / 64 rows took 112.5-116.3 / 44.3-45.3 ms against 116.0-120.8 / 46.6-46.9; 3 and 4
 // tiles ahead, or `_MM_HINT_T2`, did no better (docs/benchmarks.md).
 constexpr int64_t kL2TilesAhead = 2;
+// Of that far tile, only the first line of every kL2TriggerRows-th row: a trigger for the core's L2
+// streamer, which then fetches the rows' other lines itself. A software prefetch holds one of the core's
+// few L1 fill buffers until its line arrives and the streamer's requests do not, so (we take it) every far
+// line prefetched took a buffer from the loads and the next tile's prefetches. On the AMX host, 200
+// requests of ~250 positions over 30 layers: 57-59 ms against 65-66 with the pool's blocks shuffled, 56
+// against 58 in runs of 4 blocks, the same 54 ms with each request's blocks in one run; a trigger every 4
+// or 16 rows did about as well (docs/results/amx-20261203c). The GEMV's weight streams, contiguous, were
+// 8-14% slower with such triggers, so it keeps prefetching every line.
+constexpr int64_t kL2TriggerRows = 8;
 
 // Every line of the rows at `rows[0]` and `rows[1]` (element offsets) of `cache`, `bytes` a row.
 template <_mm_hint Hint>
@@ -230,10 +239,11 @@ struct DecodeScratch {
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
 // Each load from memory is paired with a prefetch of the same lines one tile ahead (the last K tile's
-// go to the first V tile), so the prefetches keep the pace of the loads, and with one into L2
-// `kL2TilesAhead` tiles ahead, which starts each miss a tile earlier. Out of cache a core here is
-// limited by the misses it keeps in flight, and its arithmetic does not overlap them, so arithmetic saved
-// is time saved: the rows' offsets are computed block by block, with no division per position. Against
+// go to the first V tile), so the prefetches keep the pace of the loads, and with a few into L2
+// `kL2TilesAhead` tiles ahead (kL2TriggerRows), which start the far tile's misses earlier. Out of cache a
+// core here is limited by the misses it keeps in flight, and its arithmetic does not overlap them, so
+// arithmetic saved is time saved: the rows' offsets are computed block by block, with no division per
+// position. Against
 // prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200 requests on a 2-core
 // Xeon from 70-73 to 64-67 ms (docs/results/amx-20261202c).
 template <int DC>
@@ -268,11 +278,12 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
       for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + h * D + 32 * c));
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
-        if (from_memory)  // the same KV head's lines of the next tile's row i, and of the far tile's
-          for (int c = 0; c < DC; ++c) {
+        if (from_memory) {  // the same KV head's lines of the next tile's row i; a trigger in the far tile
+          for (int c = 0; c < DC; ++c)
             _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
-            if (far_ok) _mm_prefetch(reinterpret_cast<const char*>(far_cache + far_rows[i] + j * D + 32 * c), _MM_HINT_T1);
-          }
+          if (far_ok && j == 0 && i % kL2TriggerRows == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(far_cache + far_rows[i]), _MM_HINT_T1);
+        }
         const uint16_t* kr = pg.k + rows[i] + j * D;
         __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kr)));
         for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
@@ -297,9 +308,10 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     const int64_t* rows = s.rows.data() + t * 16;
     const int64_t count = std::min<int64_t>(16, ctx - t * 16), pairs = (count + 1) / 2;
     for (int64_t p2 = 0; p2 < pairs; ++p2) {
-      // the same two rows of the next tile, and of the far tile into L2
+      // the same two rows of the next tile; a trigger in the far tile
       if (t + 1 < tiles) prefetch_row_pair<_MM_HINT_T0>(pg.v, rows + 16 + 2 * p2, row_bytes);
-      if (t + kL2TilesAhead < tiles) prefetch_row_pair<_MM_HINT_T1>(pg.v, rows + 16 * kL2TilesAhead + 2 * p2, row_bytes);
+      if (t + kL2TilesAhead < tiles && 2 * p2 % kL2TriggerRows == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(pg.v + rows[16 * kL2TilesAhead + 2 * p2]), _MM_HINT_T1);
       const uint16_t* r0 = pg.v + rows[2 * p2];
       const uint16_t* r1 = 2 * p2 + 1 < count ? pg.v + rows[2 * p2 + 1] : nullptr;  // an odd tail pairs with zeros
       for (int64_t j = 0; j < KVH; ++j)

@@ -6,6 +6,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/kvrelay-ext}
 SP=$!
 for i in $(seq 1 120); do sleep 2; grep -q "kvrelay is ready" $OUT/serve.log && break; done
 sleep 3
+[ -n "$HOOK" ] && $HOOK > $OUT/hook.txt 2>&1
 bash docs/results/amx-20261203/scripts/idlecpu.sh 5 > $OUT/idle.txt
 (bash docs/results/amx-20261203/scripts/idlecpu.sh 26 > $OUT/cpu.txt &)
 (bash docs/results/amx-20261203/scripts/threadcpu.sh "[S]erveReplica" 26 > $OUT/threads.txt &)
