@@ -256,8 +256,9 @@ def ceilings_text(ceilings: dict[str, Any]) -> str:
 
 def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
     """Each run as fractions of its rooflines: achieved GFLOP/s over the matmul ceiling for the workload's FLOPs,
-    and per-stream decode tok/s over the bandwidth ceiling (weights + KV bytes per token); `bound` is the one the
-    workload is judged by."""
+    per-stream decode tok/s over the bandwidth ceiling (weights + KV bytes per token), and the lockstep engine's
+    least time over the run's (with the most of the compute roofline that engine reaches); `bound` is the one the
+    workload is judged by. Files from before the lockstep bound show `-` there."""
     rows = []
     for r in runs:
         rf = r.get("roofline")
@@ -267,9 +268,11 @@ def roofline_table(runs: Sequence[dict[str, Any]]) -> str:
         rows.append([r["workload"], param, _label(r), rf["bound"], _fmt(r["metrics"]["output_throughput"]),
                      _fmt(rf["flops"] / 1e12, 2), _fmt(rf["achieved_gflops"]), _fmt(rf["compute_seconds"], 2),
                      _fmt(rf["compute_fraction"], 2), _fmt(rf["bytes_per_token"] / 1e6, 0), _fmt(rf["decode_tok_s"]),
-                     _fmt(rf["decode_ceiling_tok_s"]), _fmt(rf["decode_fraction"], 2)])
+                     _fmt(rf["decode_ceiling_tok_s"]), _fmt(rf["decode_fraction"], 2), _fmt(rf.get("lockstep_seconds"), 2),
+                     _fmt(rf.get("lockstep_fraction"), 2), _fmt(rf.get("attainable_compute_fraction"), 2)])
     head = ["workload", "param", "system", "bound", "output tok/s", "TFLOP", "GFLOP/s", "roofline s",
-            "× compute roofline", "MB/token", "decode tok/s", "ceiling tok/s", "× bandwidth roofline"]
+            "× compute roofline", "MB/token", "decode tok/s", "ceiling tok/s", "× bandwidth roofline", "lockstep s",
+            "× lockstep", "lockstep × compute roofline"]
     return _markdown(head, rows) if rows else ""
 
 

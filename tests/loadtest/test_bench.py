@@ -340,6 +340,12 @@ def test_roofline_table_and_compare_print_each_runs_fraction() -> None:
     by = dict(zip(head, cells))
     assert by["param"] == "QPS 4" and by["bound"] == "memory" and by["× bandwidth roofline"] == "0.42"
     assert by["× compute roofline"] == "0.10" and by["GFLOP/s"] == "30.0" and by["ceiling tok/s"] == "50.0"
+    assert by["lockstep s"] == by["× lockstep"] == "-"  # a file from before the lockstep bound
+    lockstep = {**with_roofline, "roofline": {**roofline, "lockstep_seconds": 25.0, "lockstep_fraction": 0.25,
+                                              "attainable_compute_fraction": 0.4}}
+    (row,) = [line for line in report.roofline_table([lockstep]).splitlines() if "kvrelay serve" in line]
+    by = dict(zip(head, [c.strip() for c in row.strip().strip("|").split("|")]))
+    assert (by["lockstep s"], by["× lockstep"], by["lockstep × compute roofline"]) == ("25.00", "0.25", "0.40")
     assert "engine" not in table  # a run without a roofline (--no-ceilings, an older file) has no row
     old = {"format": report.FORMAT, "workload": "poisson", "runs": [run_record("engine", "engine", 100.0, cap=None,
                                                                               qps=4.0, e2e_ms=2000.0)]}

@@ -10,8 +10,8 @@ import pytest
 from loadtest.ceilings import Ceilings, CpuInfo
 from loadtest.http_client import RequestResult
 from loadtest.model_shape import ModelShape
-from loadtest.roofline import (RunRooflines, decode_bytes_per_token, decode_context, lengths_of_requests,
-                               lengths_of_results, run_roofline, workload_flops)
+from loadtest.roofline import (RunRooflines, compute_seconds, decode_bytes_per_token, decode_context, lengths_of_requests,
+                               lengths_of_results, lockstep_bound, run_roofline, workload_flops)
 from loadtest.workloads import BenchRequest
 
 # qkv (2 + 2*1)*2 x 4 = 32, o_proj 4 x 4 = 16, gate_up 16 x 4 = 64, down 4 x 8 = 32: 144 per layer, 288 in all;
@@ -74,6 +74,37 @@ def test_decode_roofline_fraction() -> None:
     assert r.fraction == r.decode_fraction and r.to_json()["fraction"] == r.fraction
     f32 = run_roofline(SHAPE, ceilings(dtype="float32"), LENGTHS, 1.0, 20.0, "memory")
     assert f32.bytes_per_token == pytest.approx(2 * r.bytes_per_token)
+
+
+def test_lockstep_bound() -> None:
+    # prefill: layers 2 x 288 x (3 + 1) = 2304 and attention 32 x (1+2+3 + 1) = 224 FLOPs at 1000 FLOP/s, LM head
+    # 2 x 40 x 2 = 160 at 100: 4.128 s. One decode step (j = 1, the first request only, 4 keys): FLOPs
+    # (576 + 32 x 4) / 1000 + 80 / 100 = 1.504 s; reads (328 + 8 x 4) x 2 = 720 B, at 72 B/s 10 s
+    slow = ceilings(read_gbs=72e-9)
+    b = lockstep_bound(SHAPE, slow, LENGTHS)
+    assert b.prefill_seconds == pytest.approx(4.128) and b.decode_steps == 1
+    assert b.decode_compute_seconds == pytest.approx(1.504) and b.decode_memory_seconds == pytest.approx(10.0)
+    assert b.decode_seconds == b.decode_memory_seconds and b.seconds == pytest.approx(14.128)
+    # counted step by step, the FLOPs are the compute roofline's
+    assert b.prefill_seconds + b.decode_compute_seconds == pytest.approx(compute_seconds(workload_flops(SHAPE, LENGTHS),
+                                                                                            slow))
+    # with bandwidth to spare (70,667 B/s) every step is bound by its FLOPs: the compute roofline's least time
+    assert lockstep_bound(SHAPE, ceilings(), LENGTHS).seconds == pytest.approx(5.632)
+    # steps run while any request has outputs left: 5 outputs give steps 1-4, with 2, 2, 1, 1 requests
+    many = lockstep_bound(SHAPE, slow, [(1, 3), (2, 5), (4, 1), (1, 0)])
+    assert many.decode_steps == 4
+    keys = (1 + 1) + (2 + 1), (1 + 2) + (2 + 2), 2 + 3, 2 + 4
+    assert many.decode_memory_seconds == pytest.approx(sum((328 + 8 * k) * 2 for k in keys) / 72)
+    assert lockstep_bound(SHAPE, slow, [(3, 0)]).seconds == 0.0
+
+
+def test_run_roofline_reports_the_lockstep_bound() -> None:
+    # the lockstep engine: 14.128 s (above); the compute roofline 5.632 s; the run took twice the lockstep time
+    r = run_roofline(SHAPE, ceilings(read_gbs=72e-9), LENGTHS, duration_s=28.256, median_tpot_ms=None, bound="compute")
+    assert r.lockstep_seconds == pytest.approx(14.128) and r.lockstep_fraction == pytest.approx(0.5)
+    assert r.attainable_compute_fraction == pytest.approx(5.632 / 14.128)
+    assert r.lockstep_decode_memory_seconds == pytest.approx(10.0)
+    assert r.to_json()["attainable_compute_fraction"] == r.attainable_compute_fraction
 
 
 def test_run_roofline_rejects_an_unknown_bound() -> None:
