@@ -243,9 +243,8 @@ struct DecodeScratch {
 // `kL2TilesAhead` tiles ahead (kL2TriggerRows), which start the far tile's misses earlier. Out of cache a
 // core here is limited by the misses it keeps in flight, and its arithmetic does not overlap them, so
 // arithmetic saved is time saved: the rows' offsets are computed block by block, with no division per
-// position. Against
-// prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200 requests on a 2-core
-// Xeon from 70-73 to 64-67 ms (docs/results/amx-20261202c).
+// position. Against prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200
+// requests on a 2-core Xeon from 70-73 to 64-67 ms (docs/results/amx-20261202c).
 template <int DC>
 void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t ctx, const int64_t* table, int64_t H,
                     float scale, DecodeScratch& s) {
