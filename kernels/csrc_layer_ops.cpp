@@ -118,6 +118,10 @@ void silu_and_mul_kernel(const T* gate_up, T* out, int64_t rows, int64_t n) {
 }
 
 #ifdef KVRELAY_AVX512_BF16
+using kvrelay_simd::load_bf16x16;
+using kvrelay_simd::round_bf16x16;
+using kvrelay_simd::store_bf16x16;
+
 // The same arithmetic 16 lanes at a time; the hardware conversion rounds to nearest even like from_f.
 template <>
 void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloat16* out, int64_t rows, int64_t n) {
@@ -131,11 +135,6 @@ void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloa
     });
     return;
   }
-  using kvrelay_simd::load_bf16x16;
-  auto round_bf16 = [](__m512 x) {  // to bfloat16 and back
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-    return load_bf16x16(&b);
-  };
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const c10::BFloat16* g = gate_up + r * 2 * n;
@@ -144,15 +143,13 @@ void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloa
       for (int64_t i = 0; i < n; i += 16) {
         const __m512 gi = load_bf16x16(g + i);
         const __m512 e = kvrelay_simd::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gi));
-        const __m512 silu = round_bf16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, load_bf16x16(u + i))));
+        const __m512 silu = round_bf16x16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store_bf16x16(o + i, _mm512_mul_ps(silu, load_bf16x16(u + i)));
       }
     }
   });
 }
-#endif
 
-#ifdef KVRELAY_AVX512_BF16
 // bfloat16 RMSNorm and RoPE 16 lanes at a time, with the generic loops' arithmetic and roundings (the
 // hardware conversion rounds to nearest even like from_f; only a NaN's payload may differ). The generic
 // loops do not vectorize (the scalar bfloat16 conversions); on a 2-core Xeon these took SmolLM2's add+RMSNorm
@@ -160,15 +157,6 @@ void silu_and_mul_kernel<c10::BFloat16>(const c10::BFloat16* gate_up, c10::BFloa
 // 64) from 0.30 to 0.15 and from 0.030 to 0.015 (docs/benchmarks.md). RMSNorm's sum of squares is added in
 // a fixed order (opaque to -ffast-math) that differs from the generic loop's compiled one: 5-20 outputs in
 // 10^6 differ from it by a rounding step, and against torch's order 3 in 10^6 differ where it had 5.
-inline __m512 round_bf16x16(__m512 x) {  // to bfloat16 and back
-  const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
-  return kvrelay_simd::load_bf16x16(&b);
-}
-
-inline void store_bf16x16(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-}
-
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // Lane 0 of the result = the sum of x's 16 lanes, halves added to halves. The rounding-mode forms are
@@ -191,7 +179,6 @@ inline float inv_rms(float sum, int64_t n, float eps) {
 template <>
 void rms_norm_kernel<c10::BFloat16>(c10::BFloat16* x, const c10::BFloat16* residual, const c10::BFloat16* weight,
                                     c10::BFloat16* out, int64_t rows, int64_t n, float eps) {
-  using kvrelay_simd::load_bf16x16;
   if (n % 16 != 0) return rms_norm_generic(x, residual, weight, out, rows, n, eps);  // ragged widths
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -221,7 +208,6 @@ void rms_norm_kernel<c10::BFloat16>(c10::BFloat16* x, const c10::BFloat16* resid
 template <>
 void rope_kernel<c10::BFloat16>(c10::BFloat16* x, int64_t tokens, int64_t heads, int64_t dim, int64_t token_stride,
                                 const c10::BFloat16* cos_t, const c10::BFloat16* sin_t, const int64_t* positions) {
-  using kvrelay_simd::load_bf16x16;
   const int64_t half = dim / 2;
   if (half % 16 != 0) return rope_generic(x, tokens, heads, dim, token_stride, cos_t, sin_t, positions);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
@@ -259,8 +245,7 @@ int64_t argmax_row_bf16(const uint16_t* x, int64_t n) {
     // Four chains of 16 lanes, each over every fourth group of 16 (a lane keeps its first maximum: only a
     // larger value, or a first NaN, replaces it), then merged lane by lane and across lanes by `ahead`.
     constexpr int kChains = 4;
-    using kvrelay_simd::load_bf16x16;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 vmax[kChains];
     __m512i vidx[kChains];
     for (int c = 0; c < kChains; ++c) {

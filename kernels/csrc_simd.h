@@ -75,5 +75,16 @@ inline __m512 load_bf16x16(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
 }
 
+// 16 float32 -> 16 bfloat16, rounded to nearest even (as float_to_bf16).
+inline void store_bf16x16(void* p, __m512 x) {
+  _mm256_storeu_si256(static_cast<__m256i*>(p), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+}
+
+// 16 float32 rounded to bfloat16 and back.
+inline __m512 round_bf16x16(__m512 x) {
+  const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+  return load_bf16x16(&b);
+}
+
 }  // namespace kvrelay_simd
 #endif
