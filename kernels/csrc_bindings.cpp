@@ -1,5 +1,5 @@
 // The Python module of kvrelay's compiled CPU kernels (sources: csrc_paged_decode.cpp, csrc_attention_bf16.cpp,
-// csrc_layer_ops.cpp, csrc_gemv_bf16.cpp, csrc_decode_layers.cpp).
+// csrc_layer_ops.cpp, csrc_gemv_bf16.cpp, csrc_amx_linear.cpp, csrc_decode_layers.cpp).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -19,11 +19,13 @@ void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_vnni_bf16(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows);
+bool has_amx_linear();
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale, bool onednn);
+                                 double scale, bool onednn, bool amx);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
@@ -43,6 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
+  m.def("has_amx_linear", &has_amx_linear, "whether this CPU and OS run amx_linear_bf16 (AMX tiles, bfloat16)");
+  m.def("amx_linear_bf16", &amx_linear_bf16, "x [M, K] @ W^T (+ bias) on AMX tiles, W packed by pack_vnni_bf16, bfloat16",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of bfloat16 rows",
         py::call_guard<py::gil_scoped_release>());
 }

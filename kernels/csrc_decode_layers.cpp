@@ -11,6 +11,7 @@
 #include <vector>
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 int64_t gemv_out_features(const torch::Tensor& w);
 void rope_(torch::Tensor x, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
@@ -40,13 +41,14 @@ static torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& 
 // x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
 // holds kWeightsPerLayer tensors per layer ("next norm": the next layer's input norm, the final norm for the
 // last layer), the matrices plain or VNNI-packed, as `gemv_bf16` takes them, or (`onednn`) all in oneDNN's
-// blocked layout, for steps of more rows than the GEMV is the faster for; `caches` the K and V cache of each
-// layer. Returns the last layer's output norm.
+// blocked layout, for steps of more rows than the GEMV is the faster for; `amx`: the VNNI-packed matrices on
+// AMX tiles (`amx_linear_bf16`) instead of the GEMV, for steps between the two; `caches` the K and V cache of
+// each layer. Returns the last layer's output norm.
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale, bool onednn) {
+                                 double scale, bool onednn, bool amx) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && caches.size() % 2 == 0,
               "decode_layers_bf16 takes ", kWeightsPerLayer, " weights and 2 caches per layer");
@@ -57,9 +59,10 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
   slots = slots.to(torch::kInt64).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
-  const auto linear = [onednn](const torch::Tensor& in, const torch::Tensor& weight,
-                               const c10::optional<torch::Tensor>& b) {
-    return onednn ? linear_onednn(in, weight, b) : gemv_bf16(in, weight, b);
+  const auto linear = [onednn, amx](const torch::Tensor& in, const torch::Tensor& weight,
+                                    const c10::optional<torch::Tensor>& b) {
+    if (onednn) return linear_onednn(in, weight, b);
+    return amx && weight.dim() == 4 ? amx_linear_bf16(in, weight, b) : gemv_bf16(in, weight, b);
   };
   for (int64_t i = 0; i < layers; ++i) {
     const torch::Tensor* w = weights.data() + i * kWeightsPerLayer;

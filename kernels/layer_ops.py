@@ -6,8 +6,8 @@ fused in the compiled CPU kernels (`kernels/csrc_layer_ops.cpp`): one pass over 
 one per torch expression, no temporaries. Its `linear` runs bfloat16 layers over a few rows (decode) with
 the compiled GEMV (`kernels/csrc_gemv_bf16.cpp`), which streams the weights at memory bandwidth where
 oneDNN reads them at a fraction of it. `prepack` gives each layer's weights two more copies: one in the
-GEMV's own pair-interleaved layout, which steps of up to 128 rows (8 on a CPU with AMX) then read, and one
-in oneDNN's blocked layout, which larger steps (prefill) read with the same bits as `F.linear` and without
+GEMV's own pair-interleaved layout, which steps of up to 128 rows then read (on a CPU with AMX: the GEMV up
+to 8 rows, kvrelay's AMX kernel, `kernels/csrc_amx_linear.cpp`, up to 64), and one in oneDNN's blocked layout, which larger steps (prefill) read with the same bits as `F.linear` and without
 its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ VNNI_MAX_ROWS = 128
 # AVX512-BF16 dot products top out at ~200 GFLOP/s; burst cap 256 offline went from 622 to 800 tok/s with both
 # limits at 8 (docs/benchmarks.md). The row-major GEMV against F.linear crossed between 12 and 16 rows.
 AMX_GEMV_MAX_ROWS = AMX_VNNI_MAX_ROWS = 8
+# Past those 8 rows, up to this many, a CPU with AMX runs the VNNI copies on the tiles with kvrelay's own kernel
+# (`kernels/csrc_amx_linear.cpp`), which streams each weight once, where oneDNN's packed copy read them at
+# 11-17 GB/s. A decode step's four matmuls over 30 layers' weights out of cache, 2-core Xeon: 10.0 against
+# 13.5 ms at 16 rows, 11.9 against 15.2 at 32, 15.7 against 17.3 at 64, even at 96-200; the LM head 3.5
+# against 3.9 ms at 64 rows. Whole decode steps at 12-24 rows took 16-19% less time, at 64 rows 2-3% less,
+# and more rows gained nothing (docs/benchmarks.md).
+AMX_TILE_MAX_ROWS = 64
 
 
 def default_row_limits() -> tuple[int, int]:
@@ -115,8 +122,11 @@ class TorchLayerOps:
 class CppLayerOps(TorchLayerOps):
     name = "cpp"
 
-    def __init__(self, gemv_max_rows: int | None = None, vnni_max_rows: int | None = None) -> None:
-        """The limits default to `default_row_limits()` for this CPU."""
+    def __init__(self, gemv_max_rows: int | None = None, vnni_max_rows: int | None = None,
+                 amx_max_rows: int | None = None) -> None:
+        """The limits default to `default_row_limits()` for this CPU; `amx_max_rows` (the AMX kernel's, for
+        steps past `vnni_max_rows` over the VNNI copies) to `AMX_TILE_MAX_ROWS` where the CPU and OS run AMX
+        tiles, and is 0 where they do not."""
         from kernels.cpu_extension import load_extension
 
         gemv_default, vnni_default = default_row_limits()
@@ -126,11 +136,14 @@ class CppLayerOps(TorchLayerOps):
         self._ext = load_extension()
         self._gemv = self._ext.gemv_bf16 if self._ext.has_avx512_bf16() else None
         self.gemv_max_rows, self.vnni_max_rows = gemv_max_rows, max(gemv_max_rows, vnni_max_rows)
+        amx = self._gemv is not None and self._ext.has_amx_linear()
+        self.amx_max_rows = (AMX_TILE_MAX_ROWS if amx_max_rows is None else amx_max_rows) if amx else 0
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # by oneDNN or not: the last stack and its weights as `decode_layers_bf16` takes them
-        self._stacks: dict[bool, tuple[DecodeStack, list[torch.Tensor] | None]] = {}
+        # by oneDNN or not: the last stack, its weights as `decode_layers_bf16` takes them, and whether the AMX
+        # kernel takes every matrix among them
+        self._stacks: dict[bool, tuple[DecodeStack, list[torch.Tensor] | None, bool]] = {}
 
     def prepack(self, weights: list[torch.Tensor], vnni: bool = True) -> int:
         """Give each bfloat16 CPU weight two more copies, one per kind of step; returns the bytes they take.
@@ -170,9 +183,12 @@ class CppLayerOps(TorchLayerOps):
     def _stack_weights(self, stack: DecodeStack, onednn: bool = False) -> list[torch.Tensor] | None:
         """`stack.weights` with each matrix that has a VNNI copy replaced by it, or (`onednn`) every matrix
         by its oneDNN copy: None if one has none. Made once per stack."""
+        return self._stack_entry(stack, onednn)[1]
+
+    def _stack_entry(self, stack: DecodeStack, onednn: bool) -> tuple[DecodeStack, list[torch.Tensor] | None, bool]:
         copies = self._packed if onednn else self._vnni
         if not copies:
-            return None if onednn else stack.weights
+            return stack, None if onednn else stack.weights, False
         cached = self._stacks.get(onednn)
         if cached is None or cached[0] is not stack:
             swapped: list[torch.Tensor] | None = []
@@ -185,29 +201,41 @@ class CppLayerOps(TorchLayerOps):
                     break
                 else:
                     swapped.append(w)
-            self._stacks[onednn] = cached = (stack, swapped)
-        return cached[1]
+            # the AMX kernel: every matrix in the VNNI layout, with K a multiple of 32 (one tile's columns)
+            amx = (swapped is not None and not onednn and not any(w.dim() == 2 for w in swapped)
+                   and all(w.shape[1] % 16 == 0 for w in swapped if w.dim() == 4))
+            self._stacks[onednn] = cached = (stack, swapped, amx)
+        return cached
 
     @property
     def decode_max_rows(self) -> int:
         """The most rows a decode step runs through `decode_layers` on the compiled GEMV: `vnni_max_rows` once
-        `prepack` has made the VNNI copies, else `gemv_max_rows`. Larger decode steps run it on oneDNN's
-        copies when `prepack` made them."""
+        `prepack` has made the VNNI copies, else `gemv_max_rows`. Larger decode steps run it on the AMX kernel
+        up to `amx_max_rows` (`decode_amx_rows`), then on oneDNN's copies, when `prepack` made them."""
         return self.vnni_max_rows if self._vnni else self.gemv_max_rows
+
+    def decode_amx_rows(self, stack: DecodeStack) -> int:
+        """The most rows a decode step of `stack` runs on the AMX kernel (over the VNNI copies, once `prepack`
+        made one for every matrix), or 0."""
+        if not self._vnni or self.amx_max_rows <= self.vnni_max_rows or not self._stack_entry(stack, False)[2]:
+            return 0
+        return self.amx_max_rows
 
     def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
         """A decode-only step of bfloat16 rows through the compiled attention: the same kernels in the same
         order as the layer loop (so the same numbers), with the Python between them run once per step
         instead of once per op, and without the GIL (`kernels/csrc_decode_layers.cpp`). Up to
-        `decode_max_rows` rows on the GEMV; past them on oneDNN's copies, if `prepack` made them for every
-        matrix (else None: the layer loop)."""
+        `decode_max_rows` rows on the GEMV; past them on the AMX kernel up to `decode_amx_rows`, then on
+        oneDNN's copies, if `prepack` made them for every matrix (else None: the layer loop)."""
         from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
 
         if (self._gemv is None or not isinstance(attn, CppPagedAttention)
                 or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)
                 or meta.chunks is not None or meta.decodes is None):
             return None
-        onednn = x.shape[0] > self.decode_max_rows
+        rows = x.shape[0]
+        amx = self.decode_max_rows < rows <= self.decode_amx_rows(stack)
+        onednn = rows > self.decode_max_rows and not amx
         weights = self._stack_weights(stack, onednn)
         if weights is None:
             return None
@@ -215,19 +243,23 @@ class CppLayerOps(TorchLayerOps):
         caches = [c for kv in kv_caches for c in kv]
         return self._ext.decode_layers_bf16(x, h, weights, caches, *rope, meta.slot_mapping, dec.block_tables,
                                             dec.context_lens, stack.num_heads, stack.num_kv_heads, stack.eps,
-                                            stack.head_dim ** -0.5, onednn)
+                                            stack.head_dim ** -0.5, onednn, amx)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a
         CPU with AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another
         order, so a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
-        `vnni_max_rows` rows, oneDNN over the blocked one above. `F.linear` for anything else (decided in
-        C++)."""
+        `vnni_max_rows` rows, the AMX kernel over it up to `amx_max_rows` (where its columns are a multiple of
+        32), oneDNN over the blocked one above. `F.linear` for anything else (decided in C++)."""
         if self._packed and x.dim() == 2 and x.dtype == weight.dtype:
             rows = x.shape[0]
-            entry = self._vnni.get(id(weight)) if rows <= self.vnni_max_rows else None
+            entry = self._vnni.get(id(weight)) if rows <= max(self.vnni_max_rows, self.amx_max_rows) else None
             if entry is not None and entry[0] is weight:
-                return self._ext.linear_bf16(x, entry[1], bias, self.vnni_max_rows)
+                if rows <= self.vnni_max_rows:
+                    return self._ext.linear_bf16(x, entry[1], bias, self.vnni_max_rows)
+                if (weight.shape[1] % 32 == 0 and x.device.type == "cpu"
+                        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))):
+                    return self._ext.amx_linear_bf16(x, entry[1], bias)
             entry = self._packed.get(id(weight)) if rows > self.gemv_max_rows else None
             if entry is not None and entry[0] is weight:
                 return linear_packed(x, entry[1], bias)

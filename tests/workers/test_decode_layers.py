@@ -12,6 +12,7 @@ from compiled_kernels import COMPILED, needs_compiled_kernels
 from conftest import write_tiny_model
 from engine_runs import greedy_outputs
 from kernels import layer_ops
+from kernels.cpu_extension import load_extension
 from workers.engine import Engine
 
 
@@ -82,6 +83,41 @@ def test_decode_steps_past_the_gemv_run_the_stack_on_onednns_copies(tmp_path, de
     stacked = run()
     assert any(took and rows > 8 for rows, took in taken), taken  # on oneDNN's copies
     assert any(took and rows <= 8 for rows, took in taken), taken  # on the VNNI copies
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
+    assert run() == stacked
+
+
+@needs_compiled_kernels
+@pytest.mark.skipif(not _bf16_kernels(), reason="the compiled decoder stack needs AVX512-BF16")
+@pytest.mark.skipif(not (COMPILED and load_extension().has_amx_linear()), reason="no AMX tiles on this CPU or OS")
+def test_decode_steps_between_the_gemv_and_onednn_run_the_stack_on_the_amx_kernel(tmp_path, default_model_dir,
+                                                                                 monkeypatch):
+    """On a CPU with AMX a decode step of more rows than the GEMV takes, up to `amx_max_rows`, runs the stack
+    on the AMX kernel over the VNNI copies, and past them on oneDNN's copies: the same tokens and logprobs as
+    the layer loop, whose `linear` takes the same kernels at the same rows."""
+    model = write_tiny_model(tmp_path / "llama", default_model_dir, model_type="llama", tie_word_embeddings=True)
+    monkeypatch.setattr(layer_ops, "default_row_limits", lambda: (4, 8))
+    monkeypatch.setattr(layer_ops, "AMX_TILE_MAX_ROWS", 14)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 40000, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (20,), generator=gen)]
+    real, taken = layer_ops.CppLayerOps.decode_layers, []
+
+    def counted(self, x, h, stack, *args):
+        out = real(self, x, h, stack, *args)
+        taken.append((x.shape[0], out is not None, self.decode_amx_rows(stack)))
+        return out
+
+    def run() -> dict:
+        engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp",
+                        prepack_weights=True)
+        assert engine.model.ops.amx_max_rows == 14
+        return greedy_outputs(engine, prompts, 15)
+
+    monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", counted)
+    stacked = run()
+    assert all(amx == 14 for _, _, amx in taken), taken
+    assert any(took and 8 < rows <= 14 for rows, took, _ in taken), taken  # on the AMX kernel
+    assert any(took and rows > 14 for rows, took, _ in taken), taken  # on oneDNN's copies
     monkeypatch.setattr(layer_ops.CppLayerOps, "decode_layers", lambda self, *args: None)
     assert run() == stacked
 
