@@ -11,8 +11,8 @@
 //
 // oneDNN runs these shapes on the tiles too, but at 8-64 rows on a 2-core Xeon it read the weights at only
 // 11-17 GB/s; this kernel reads them at 20-30 GB/s at 8-16 rows (docs/benchmarks.md). Past ~100 rows both
-// are bound by the tiles' arithmetic, ~1.3 TFLOP/s a core here even in cache. `amx_linear_bf16` raises where the CPU or the OS has no AMX
-// (`has_amx_linear()` says so).
+// are bound by the tiles' arithmetic, ~1.3 TFLOP/s a core here even in cache. `amx_linear_bf16` raises
+// where the CPU or the OS has no AMX (`has_amx_linear()` says so).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -60,7 +60,8 @@ TileConfig tile_config() {
 }
 
 // Sums of MT tiles of x rows (a[t]: each tile's first row, rows lda bytes apart) against NB weight blocks
-// (w[n]: ksteps tiles of 1 KiB each), stored to c, while prefetching pf_lines lines from pf on at each k step: tile C(m, n) at c + (2m + n) * 256 (16 x 16 float32).
+// (w[n]: ksteps tiles of 1 KiB each), stored to c: tile C(m, n) at c + (2m + n) * 256 (16 x 16 float32).
+// Each k step also prefetches pf_lines lines from pf on.
 // GCC's tile intrinsics paste their tile numbers into the assembly, so they are literals here.
 template <int MT, int NB>
 KVRELAY_AMX_TARGET void block_sums(const uint16_t* const* a, int64_t lda, const uint16_t* const* w, int64_t ksteps,
@@ -132,7 +133,8 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<to
   std::vector<uint16_t> tail;
   if (tiles > full_tiles) {
     tail.assign(16 * ldx, 0);
-    for (int64_t r = full_tiles * 16; r < M; ++r) std::memcpy(tail.data() + (r - full_tiles * 16) * ldx, xp + r * ldx, K * 2);
+    for (int64_t r = full_tiles * 16; r < M; ++r)
+      std::memcpy(tail.data() + (r - full_tiles * 16) * ldx, xp + r * ldx, K * 2);
   }
   std::vector<const uint16_t*> a_rows(tiles);
   for (int64_t t = 0; t < tiles; ++t) a_rows[t] = t < full_tiles ? xp + t * 16 * ldx : tail.data();
@@ -159,9 +161,11 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<to
         const char* pf = reinterpret_cast<const char*>(wb[0]) + kPrefetchAhead + pass * pf_lines * ksteps * 64;
         const uint16_t* const* at = a_rows.data() + t0;
         if (mt == 1) {
-          if (nb == 1) block_sums<1, 1>(at, lda, wb, ksteps, pf, pf_lines, c); else block_sums<1, 2>(at, lda, wb, ksteps, pf, pf_lines, c);
+          if (nb == 1) block_sums<1, 1>(at, lda, wb, ksteps, pf, pf_lines, c);
+          else block_sums<1, 2>(at, lda, wb, ksteps, pf, pf_lines, c);
         } else {
-          if (nb == 1) block_sums<2, 1>(at, lda, wb, ksteps, pf, pf_lines, c); else block_sums<2, 2>(at, lda, wb, ksteps, pf, pf_lines, c);
+          if (nb == 1) block_sums<2, 1>(at, lda, wb, ksteps, pf, pf_lines, c);
+          else block_sums<2, 2>(at, lda, wb, ksteps, pf, pf_lines, c);
         }
         // Each x row's outputs of the pair are one 64-byte line of y, written at once and past the caches
         // (streaming stores): y's rows are N * 2 bytes apart, so at widths such as 3,072 or 49,152 the lines of

@@ -7,8 +7,9 @@ one per torch expression, no temporaries. Its `linear` runs bfloat16 layers over
 the compiled GEMV (`kernels/csrc_gemv_bf16.cpp`), which streams the weights at memory bandwidth where
 oneDNN reads them at a fraction of it. `prepack` gives each layer's weights two more copies: one in the
 GEMV's own pair-interleaved layout, which steps of up to 128 rows then read (on a CPU with AMX: the GEMV up
-to 8 rows, kvrelay's AMX kernel, `kernels/csrc_amx_linear.cpp`, up to 64), and one in oneDNN's blocked layout, which larger steps (prefill) read with the same bits as `F.linear` and without
-its per-call reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
+to 8 rows, kvrelay's AMX kernel, `kernels/csrc_amx_linear.cpp`, up to 64), and one in oneDNN's blocked
+layout, which larger steps (prefill) read with the same bits as `F.linear` and without its per-call
+reordering. `get_layer_ops("auto")` picks the compiled ops when they build."""
 
 from __future__ import annotations
 

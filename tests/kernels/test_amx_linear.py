@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_kernels import COMPILED, SKIP_REASON
+from compiled_kernels import COMPILED, SKIP_REASON, within_one_bf16_step
 from kernels import layer_ops
 from kernels.layer_ops import AMX_TILE_MAX_ROWS, CppLayerOps, linear_packed
 
@@ -32,16 +32,6 @@ def _data(m: int, n: int, k: int, seed: int):
     return x, w, b
 
 
-def _within_one_step(y: torch.Tensor, x, w, b) -> None:
-    """Each value at most one bfloat16 step, plus the worst-case error of float32 sums of its K products, from
-    the exact result; at least 99% are its correctly rounded value."""
-    exact = x.double() @ w.double().T + (0 if b is None else b.double())
-    magnitudes = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
-    step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)
-    assert ((y.double() - exact).abs() <= step + x.shape[1] * 2.0 ** -24 * magnitudes).all()
-    assert (y != exact.to(torch.bfloat16)).double().mean() < 0.01
-
-
 @needs_amx
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -52,7 +42,7 @@ def test_matches_a_float64_reference(n, k, bias):
         b = b if bias else None
         y = EXT.amx_linear_bf16(x, EXT.pack_vnni_bf16(w), b)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
-        _within_one_step(y, x, w, b)
+        within_one_bf16_step(y, x, w, b)
 
 
 @needs_amx
@@ -97,7 +87,8 @@ def test_onednn_is_unchanged_after_the_tiles_were_ours():
 def test_bad_input_is_refused():
     w = EXT.pack_vnni_bf16(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        EXT.amx_linear_bf16(torch.randn(3, 48).to(torch.bfloat16), EXT.pack_vnni_bf16(torch.randn(32, 48).to(torch.bfloat16)))
+        odd_k = EXT.pack_vnni_bf16(torch.randn(32, 48).to(torch.bfloat16))
+        EXT.amx_linear_bf16(torch.randn(3, 48).to(torch.bfloat16), odd_k)
     with pytest.raises(RuntimeError, match="packed as"):
         EXT.amx_linear_bf16(torch.randn(3, 64).to(torch.bfloat16), torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="packed as"):
@@ -124,7 +115,7 @@ def test_linear_takes_the_kernel_between_the_gemv_and_onednn():
     multiple of 32 skips the kernel for oneDNN."""
     ops = CppLayerOps(gemv_max_rows=4, vnni_max_rows=8, amx_max_rows=40)
     gen = torch.Generator().manual_seed(10)
-    w, odd = torch.randn(64, 96, generator=gen).to(torch.bfloat16), torch.randn(64, 80, generator=gen).to(torch.bfloat16)
+    w, odd = (torch.randn(64, k, generator=gen).to(torch.bfloat16) for k in (96, 80))
     b = torch.randn(64, generator=gen).to(torch.bfloat16)
     ops.prepack([w, odd])
     vnni = EXT.pack_vnni_bf16(w)
@@ -149,5 +140,6 @@ def test_linear_takes_the_kernel_between_the_gemv_and_onednn():
             assert torch.equal(y, F.linear(x, w, b))
         calls.clear()
         xo = torch.randn(rows, 80, generator=gen).to(torch.bfloat16)
-        assert torch.equal(ops.linear(xo, odd), F.linear(xo, odd) if rows > 8 else real.gemv_bf16(xo, EXT.pack_vnni_bf16(odd)))
+        want = F.linear(xo, odd) if rows > 8 else real.gemv_bf16(xo, EXT.pack_vnni_bf16(odd))
+        assert torch.equal(ops.linear(xo, odd), want)
         assert not calls

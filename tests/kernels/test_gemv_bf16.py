@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_kernels import COMPILED, SKIP_REASON
+from compiled_kernels import COMPILED, SKIP_REASON, within_one_bf16_step
 from kernels.layer_ops import GEMV_MAX_ROWS, CppLayerOps
 
 if not COMPILED:
@@ -41,17 +41,6 @@ def _reference(x, w, b, rounded: bool = True):
     return y.to(torch.bfloat16) if rounded else y
 
 
-def _within_one_step(y: torch.Tensor, x, w, b) -> None:
-    """Each value at most one bfloat16 step, plus the worst-case error of float32 sums of its K products
-    (K * 2**-24 * the sum of their magnitudes), from the exact result; at least 99% are its correctly
-    rounded value."""
-    exact = _reference(x, w, b, rounded=False)
-    magnitudes = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
-    step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)
-    assert ((y.double() - exact).abs() <= step + x.shape[1] * 2.0 ** -24 * magnitudes).all()
-    assert (y != exact.to(torch.bfloat16)).double().mean() < 0.01
-
-
 @needs_bf16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -61,7 +50,7 @@ def test_matches_a_float64_reference(n, k, bias):
         b = b if bias else None
         y = CPP._gemv(x, w, b)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
-        _within_one_step(y, x, w, b)
+        within_one_bf16_step(y, x, w, b)
         torch.testing.assert_close(y, F.linear(x, w, b), atol=1e-2, rtol=2 ** -7)
 
 
@@ -130,7 +119,7 @@ def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
     for rows in (1, limit):
         assert not _took_torch(lambda: CPP.linear(x[:rows], w, b))
         assert not _took_torch(lambda: CPP.linear(x[:rows], w))
-        _within_one_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
+        within_one_bf16_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
     strided_w = w.t().contiguous().t()
     for args in [(x, w, b), (x[:2, ::2], w[:, :32].contiguous(), b), (x[:1], strided_w, b),
                  (x[:1].float(), w.float(), b.float())]:
@@ -173,7 +162,7 @@ def test_vnni_matches_a_float64_reference(n, k, bias):
         p = CPP._ext.pack_vnni_bf16(w)
         y = CPP._gemv(x, p, b)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n) and y.is_contiguous()
-        _within_one_step(y, x, w, b)
+        within_one_bf16_step(y, x, w, b)
         xi, wi, bi = _data(m, n, k, seed=m, integers=True)
         assert torch.equal(CPP._gemv(xi, CPP._ext.pack_vnni_bf16(wi), bi if bias else None),
                            _reference(xi, wi, bi if bias else None))
