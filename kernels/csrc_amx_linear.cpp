@@ -142,7 +142,9 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<to
   constexpr int64_t kChunk = kMaxBlocks;  // weight blocks taken from the counter at a time
   const int64_t chunks = (blocks + kChunk - 1) / kChunk;
   const int64_t passes = (tiles + kMaxTiles - 1) / kMaxTiles;
-  const int64_t pair_lines = kChunk * ksteps * 16;
+  // Each pass prefetches its share of the weights that follow its chunk's in memory (the next chunk's, usually
+  // the thread's next), pf_lines lines a k step, so the first pass over them finds them in L2.
+  const int64_t pf_lines = (kChunk * ksteps * 16 + passes * ksteps - 1) / (passes * ksteps);
   // Streaming stores need 64-byte aligned lines: y's rows (N a multiple of 32) and each pair's outputs are.
   const bool stream = N % 32 == 0 && reinterpret_cast<uintptr_t>(yp) % 64 == 0;
   std::atomic<int64_t> next{0};
@@ -155,9 +157,7 @@ torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<to
       const uint16_t* wb[2] = {wp + blk0 * ksteps * 512, wp + (blk0 + nb - 1) * ksteps * 512};
       for (int64_t t0 = 0; t0 < tiles; t0 += kMaxTiles) {
         const int64_t mt = std::min<int64_t>(kMaxTiles, tiles - t0);
-        // Each pass prefetches its share of the weights that follow this chunk's in memory (the next chunk's,
-        // usually this thread's next), so the first pass over them finds them in L2.
-        const int64_t pass = t0 / kMaxTiles, pf_lines = (pair_lines + passes * ksteps - 1) / (passes * ksteps);
+        const int64_t pass = t0 / kMaxTiles;
         const char* pf = reinterpret_cast<const char*>(wb[0]) + kPrefetchAhead + pass * pf_lines * ksteps * 64;
         const uint16_t* const* at = a_rows.data() + t0;
         if (mt == 1) {
