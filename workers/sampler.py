@@ -4,9 +4,9 @@ Rows still short of `min_tokens` cannot pick the tokens that would stop them (EO
 the last token of a bad word; rows under a grammar only take the tokens its bitmask allows; then logit
 bias and penalties apply (`workers/penalties.py`), to greedy rows too. The logprobs reported are the
 model's own, before all that. Greedy rows take the argmax. Random rows apply temperature, min_p, top-k
-and top-p, then sample by the
-exponential-race trick (argmax of p / q with q ~ Exp(1)), which lets seeded rows draw their noise from
-their own generator while the rest share one draw."""
+and top-p, then draw one uniform number each (a seeded row from its own generator, the rest in one draw)
+and take the token where it falls in the cumulative distribution. Top-k and top-p look at a row's largest
+logits only (`topk`), not at a sort of the whole vocabulary, unless the nucleus reaches past them."""
 
 from __future__ import annotations
 
@@ -42,6 +42,68 @@ def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop |= before >= top_p[:, None]
     drop[:, 0] = False
     return x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+
+
+TOP_P_CANDIDATES = 1024  # a top-p row's nucleus is looked for among its largest logits first
+_CDF_BLOCK = 256  # `_inverse_cdf` sums probabilities in blocks of this many tokens
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` ([n, width], non-negative, not necessarily normalised) the first index whose
+    cumulative probability exceeds `u` (float64, [n], in [0, 1)) times the row's total: a draw from the
+    row's distribution. The blocks of `_CDF_BLOCK` tokens are summed and their running sums (in float64)
+    searched first, then the one block the draw falls in, so no float32 sum runs over the whole vocabulary;
+    a token of probability 0 is never drawn."""
+    n, width = probs.shape
+    pad = -width % _CDF_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, _CDF_BLOCK)
+    block_cdf = blocks.sum(-1).to(torch.float64).cumsum(-1)
+    zero = torch.zeros_like(u)
+    # each bound below is kept under the sum it searches, so that the first cumulative sum past it exists
+    # and steps up there: the token drawn has mass, without a check that would wait for the device
+    target = torch.minimum(u * block_cdf[:, -1], torch.nextafter(block_cdf[:, -1], zero))
+    j = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(1)
+    rows = torch.arange(n, device=probs.device)
+    start = torch.where(j > 0, block_cdf[rows, (j - 1).clamp(min=0)], zero)
+    inner = blocks[rows, j].to(torch.float64).cumsum(-1)
+    rest = torch.minimum(target - start, torch.nextafter(inner[:, -1], zero))
+    k = torch.searchsorted(inner, rest[:, None], right=True).squeeze(1)
+    return j * _CDF_BLOCK + k
+
+
+def _sample_filtered(x: torch.Tensor, top_k: list[int], top_p: list[float], u: torch.Tensor) -> torch.Tensor:
+    """Draw from rows of `x` (float32 logits, [n, vocab]) under each row's top-k and top-p, as
+    `_apply_top_k_top_p` masks them, looking only at the row's `width` largest logits: every k, and
+    `TOP_P_CANDIDATES` for nucleus rows. A row without top-k whose candidates hold less than its top-p of
+    the probability goes through the full sort instead."""
+    n, vocab = x.shape
+    dev = x.device
+    k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=dev)
+    p = torch.tensor(top_p, dtype=torch.float, device=dev)
+    if dev.type != "cpu":  # a device sorts fast, and this way no step waits for it
+        return _inverse_cdf(_apply_top_k_top_p(x, k, p).softmax(-1), u)
+    nucleus = TOP_P_CANDIDATES if any(pp < 1 for pp in top_p) else 1
+    width = min(vocab, max([min(kk, vocab) for kk in top_k if kk > 0] + [nucleus]))
+    vals, ids = x.topk(width, dim=-1)  # largest first
+    drop = torch.arange(width, device=dev)[None, :] >= k[:, None]
+    masked = vals.masked_fill(drop, float("-inf"))
+    with_k = torch.tensor([kk > 0 for kk in top_k], device=dev)
+    # the probabilities top-p reads: over the top-k tokens where a row has top-k, else over the vocabulary
+    norm = torch.where(with_k, masked.logsumexp(-1), x.logsumexp(-1))
+    probs = (masked - norm[:, None]).exp()
+    drop |= (probs.cumsum(-1) - probs) >= p[:, None]
+    drop[:, 0] = False
+    covered = with_k | (probs.sum(-1) >= p)
+    tokens = torch.empty(n, dtype=torch.long, device=dev)
+    cov = covered.nonzero().squeeze(1)
+    if cov.numel():
+        kept = probs[cov].masked_fill(drop[cov], 0.0)
+        tokens[cov] = ids[cov].gather(1, _inverse_cdf(kept, u[cov])[:, None]).squeeze(1)
+    rest = (~covered).nonzero().squeeze(1)
+    if rest.numel():
+        full = _apply_top_k_top_p(x[rest], k[rest], p[rest])
+        tokens[rest] = _inverse_cdf(full.softmax(-1), u[rest])
+    return tokens
 
 
 def _mask_banned(logits: torch.Tensor, banned: list[list[int] | None]) -> torch.Tensor:
@@ -96,19 +158,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if random_rows:
         idx = torch.tensor(random_rows, device=dev)
         sub = [params[i] for i in random_rows]
-        x = logits[idx].float() / torch.tensor([p.temperature for p in sub], device=dev)[:, None]
+        x = logits.to(torch.float32, copy=True) if len(sub) == len(params) else logits[idx].float()  # a copy
+        x.div_(torch.tensor([p.temperature for p in sub], device=dev)[:, None])
         x = apply_min_p(x, [p.min_p for p in sub])
-        top_k = [p.top_k for p in sub]
-        top_p = [p.top_p for p in sub]
-        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
-            x = _apply_top_k_top_p(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, dtype=torch.float, device=dev))
-        probs = x.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
+        u = torch.rand(len(sub), dtype=torch.float64, device=dev)
         for row, i in enumerate(random_rows):
             if generators[i] is not None:
-                noise[row].exponential_(generator=generators[i])
+                u[row] = torch.rand((), dtype=torch.float64, device=dev, generator=generators[i])
+        filtered = [row for row, p in enumerate(sub) if p.top_k > 0 or p.top_p < 1]
+        drawn = torch.empty(len(sub), dtype=torch.long, device=dev)
+        if not filtered:
+            drawn = _inverse_cdf(x.softmax(-1), u)
+        elif len(filtered) < len(sub):
+            plain = torch.tensor(sorted(set(range(len(sub))) - set(filtered)), device=dev)
+            drawn[plain] = _inverse_cdf(x[plain].softmax(-1), u[plain])
+        if filtered:
+            rows = torch.tensor(filtered, device=dev)
+            drawn[rows] = _sample_filtered(x[rows], [sub[r].top_k for r in filtered], [sub[r].top_p for r in filtered],
+                                           u[rows])
         tokens = greedy_tokens.clone()
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = drawn
 
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     tail = [] if extra is None else [extra.double()]

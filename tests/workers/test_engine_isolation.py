@@ -98,7 +98,7 @@ def test_preparation_error_of_one_request(engine, alone, monkeypatch):
 
 def test_sampling_failure_is_found_by_bisection(engine, alone):
     def poison(engine: Engine) -> None:
-        engine.scheduler.requests["bad"].sampling_params.top_k = 2**63  # as if changed after validation
+        engine.scheduler.requests["bad"].sampling_params.top_k = None  # as if changed after validation
 
     finished, failed = run(engine, _with_bad(SamplingParams(max_tokens=8, temperature=1.0)), poison)
     assert finished == alone and list(failed) == ["bad"]

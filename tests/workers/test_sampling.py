@@ -7,7 +7,8 @@ import torch
 
 from serving import LLM, SamplingParams
 from workers.output_processor import OutputKind
-from workers.sampler import sample
+from workers.penalties import apply_min_p
+from workers.sampler import _apply_top_k_top_p, sample
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,53 @@ def test_greedy_rows_take_the_compiled_argmax_in_bfloat16(tiny_model_dir, monkey
     outs = llm.generate(["a b c", "one two", "x"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
     assert calls and set(calls) == {torch.bfloat16}
+
+
+def _frequencies(row: torch.Tensor, params: SamplingParams, draws: int = 24000, batch: int = 4000) -> torch.Tensor:
+    counts = torch.zeros(row.numel())
+    for _ in range(draws // batch):
+        out = sample(row.expand(batch, -1).clone(), [params] * batch, [None] * batch)
+        counts += torch.bincount(torch.tensor(out.token_ids), minlength=row.numel())
+    return counts / draws
+
+
+def _reference(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a row samples from: temperature, min_p, then the full-sort top-k/top-p mask."""
+    x = apply_min_p(row.float()[None] / p.temperature, [p.min_p])
+    if p.top_k > 0 or p.top_p < 1:
+        x = _apply_top_k_top_p(x, torch.tensor([p.top_k]), torch.tensor([p.top_p]))
+    return x.softmax(-1)[0]
+
+
+@pytest.mark.parametrize("candidates", [1024, 8])  # 8: nucleus rows fall back to the full sort
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=40),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=300, top_p=0.8, min_p=0.02),
+], ids=["plain", "top_k", "top_p", "all"])
+def test_sampled_frequencies_match_the_filtered_distribution(params, candidates, monkeypatch):
+    """Draws by the cumulative distribution (over a row's largest logits for top-k/top-p) follow the
+    distribution that the full sort's mask leaves, token by token, and never take a masked token."""
+    import workers.sampler as sampler
+
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", candidates)
+    torch.manual_seed(0)
+    row = (torch.randn(3000) * 2.5).to(torch.bfloat16)
+    want, draws = _reference(row, params), 24000
+    got = _frequencies(row, params, draws)
+    assert got[want == 0].sum() == 0
+    assert torch.all((got - want).abs() <= 5 * (want * (1 - want) / draws).sqrt() + 2 / draws)
+
+
+def test_seeded_rows_draw_the_same_tokens_whatever_their_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 500)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.9, top_p=0.8, seed=8),
+              SamplingParams(temperature=1.0)]
+
+    def draw(rows):
+        gens = [torch.Generator().manual_seed(params[i].seed) if params[i].seed is not None else None for i in rows]
+        return sample(logits[rows], [params[i] for i in rows], gens).token_ids
+
+    assert draw([0, 1, 2])[:2] == draw([0, 1]) == [draw([0])[0], draw([1])[0]]
