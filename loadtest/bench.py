@@ -88,6 +88,10 @@ def _add_common(p: argparse.ArgumentParser, stream_default: bool | None) -> None
     p.add_argument("--max-concurrency", type=int, default=None, help="HTTP: most requests in flight")
     p.add_argument("--seed", type=int, default=0, help="seed of --request-rate arrivals")
     p.add_argument("--timeout", type=float, default=1800, help="HTTP: seconds before one request counts as failed")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (default 0: greedy, as in `vllm bench serve`)")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (needs --temperature > 0)")
+    p.add_argument("--top-k", type=int, default=None, help="every request's top_k (needs --temperature > 0)")
     if stream_default is not None:
         p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=stream_default,
                        help=f"HTTP: stream responses (default: {'on' if stream_default else 'off'})")

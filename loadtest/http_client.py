@@ -105,7 +105,7 @@ def _payload(model: str, req: BenchRequest, stream: bool) -> dict[str, Any]:
         "model": model,
         "prompt": list(req.prompt_token_ids),
         "max_tokens": req.output_len,
-        "temperature": 0,
+        **req.sampling_options(),
         "ignore_eos": True,
         "stream": stream,
     }

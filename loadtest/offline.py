@@ -13,8 +13,7 @@ def generate_token_ids(llm: Any, requests: Sequence[BenchRequest], progress: boo
     """Submit all requests in one ``generate`` call; return generated ids in input order."""
     from serving import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-              for r in requests]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, **r.sampling_options()) for r in requests]
     outputs = llm.generate([list(r.prompt_token_ids) for r in requests], params, use_tqdm=progress)
     if len(outputs) != len(requests):
         raise RuntimeError(f"engine returned {len(outputs)} outputs for {len(requests)} requests")

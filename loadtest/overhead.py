@@ -43,7 +43,7 @@ def run_engine_inprocess(llm: Any, requests: Sequence[BenchRequest]) -> tuple[li
         while nxt < len(order) and requests[order[nxt]].arrival_time <= now:
             i = order[nxt]
             r = requests[i]
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, **r.sampling_options())
             engine.add_request(str(i), None, params, prompt_token_ids=list(r.prompt_token_ids),
                                output_kind=OutputKind.DELTA)
             results[i].start_time = t0 + r.arrival_time

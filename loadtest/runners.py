@@ -148,6 +148,7 @@ def timed_run(system: str, requests: Sequence[BenchRequest], args: argparse.Name
     from loadtest.overhead import MODEL_NAME, engine_results
 
     options = options or _engine_options(args)
+    requests = workloads.with_sampling(list(requests), sampling_options(args))
     if system == "engine":
         return engine_results(requests, options)
     if system == "server":
@@ -184,9 +185,32 @@ def _run_order(systems: Sequence[str], params: Sequence[Any]) -> list[tuple[str,
     return pairs + [("server", p) for p in params if "server" in systems]
 
 
+def sampling_options(args: argparse.Namespace) -> dict[str, float]:
+    """The requests' sampling options from --temperature, --top-p and --top-k (OpenAI names; empty: greedy)."""
+    temperature = getattr(args, "temperature", 0.0) or 0.0
+    top_p, top_k = getattr(args, "top_p", None), getattr(args, "top_k", None)
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k != -1 and top_k < 1:
+        raise ValueError(f"--top-k must be -1 (off) or >= 1, got {top_k}")
+    if not temperature:
+        if top_p is not None or top_k is not None:
+            raise ValueError("--top-p and --top-k need --temperature > 0 (at 0 the requests are greedy)")
+        return {}
+    options: dict[str, float] = {"temperature": temperature}
+    if top_p is not None:
+        options["top_p"] = top_p
+    if top_k is not None:
+        options["top_k"] = top_k
+    return options
+
+
 def _begin(args: argparse.Namespace, workload: str, params: dict[str, Any]) -> tuple[dict[str, Any], Path, Systems]:
     """A new result payload with this machine's ceilings, the path it will be written to, and the run's lazily
     built systems."""
+    params = {**params, "sampling": sampling_options(args)}
     payload, res = report.new_payload(workload, params, args.argv), Systems(args)
     path = args.out / f"{workload}-{_stamp()}.json"
     if getattr(args, "ceilings", True):
@@ -234,6 +258,9 @@ def run_burst(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"burst caps must be among {BURST_CAPS}, got {bad}")
     systems = _systems(args, LOCAL_SYSTEMS)
+    greedy_only = [s for s in systems if s in ("hf-naive", "hf-static")]
+    if sampling_options(args) and greedy_only:
+        raise ValueError(f"{', '.join(greedy_only)} decode greedily; run them without --temperature")
     tokenizer = _load_tokenizer(args)
     params = {"caps": args.caps, "systems": systems, "batch_sizes": args.batch_sizes, "num_requests": args.num_requests,
               "stream": args.stream, "model": args.model, "dtype": args.dtype, "url": args.url,
@@ -258,6 +285,7 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
                   args: argparse.Namespace, res: Systems) -> list[dict[str, Any]]:
     from loadtest.metrics import summarize
 
+    sampling = sampling_options(args)
     if system == "hf-naive":
         from loadtest.baselines import hf_naive
 
@@ -274,6 +302,7 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
         from serving import LLM
 
         llm = LLM(**_engine_options(args))  # fresh per cap
+        requests = workloads.with_sampling(requests, sampling)
         try:
             return [res.annotate(report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine",
                                                          "burst", prompt_tokens, cap), lengths_of_requests(requests))]

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from loadtest import report, runners
 from loadtest.roofline import lengths_of_results
-from loadtest.workloads import BenchRequest, single_requests
+from loadtest.workloads import BenchRequest, single_requests, with_sampling
 
 
 def run_single(args: argparse.Namespace) -> int:
@@ -44,6 +44,7 @@ def run_single(args: argparse.Namespace) -> int:
 def _one_at_a_time(system: str, requests: Sequence[BenchRequest], args: argparse.Namespace,
                    res: runners.Systems) -> tuple[list[Any], float]:
     if system == "engine":
+        requests = with_sampling(list(requests), runners.sampling_options(args))
         return engine_one_at_a_time(requests, runners._engine_options(args))
     return runners.timed_run(system, requests, args, res, args.stream)
 

@@ -7,7 +7,7 @@ Prompts are slices of the tokenized corpus; all randomness comes from seeded
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -28,11 +28,22 @@ SINGLE_NUM_REQUESTS = 5
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One benchmark request: prompt token ids, forced output length, arrival (s)."""
+    """One benchmark request: prompt token ids, forced output length, arrival (s), and its sampling options
+    under their OpenAI names (none: greedy)."""
 
     prompt_token_ids: list[int]
     output_len: int
     arrival_time: float = 0.0
+    sampling: dict[str, float] = field(default_factory=dict)
+
+    def sampling_options(self) -> dict[str, float]:
+        """What the request sends besides its prompt and length: greedy unless `sampling` says otherwise."""
+        return {"temperature": 0.0, **self.sampling}
+
+
+def with_sampling(requests: list[BenchRequest], sampling: dict[str, float]) -> list[BenchRequest]:
+    """`requests` with `sampling` (e.g. ``{"temperature": 0.7, "top_p": 0.9}``) on each; unchanged when empty."""
+    return [replace(r, sampling=dict(sampling)) for r in requests] if sampling else list(requests)
 
 
 @lru_cache(maxsize=1)

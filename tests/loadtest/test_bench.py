@@ -162,6 +162,11 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["random", "--offline", "--range-ratio", "1.5"], "--range-ratio"),
     (["policies", "--policies", "fcfs,lifo"], "unknown policies: lifo; choose from fcfs, priority, sjf, predicted"),
     (["single", "--offline", "--output-len", "0"], "--output-len must be >= 1"),
+    (["single", "--offline", "--top-p", "0.9"], "--top-p and --top-k need --temperature > 0"),
+    (["single", "--offline", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["single", "--offline", "--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["single", "--offline", "--temperature", "1", "--top-k", "0"], "--top-k must be -1 (off) or >= 1"),
+    (["burst", "--systems", "hf-naive,engine", "--temperature", "0.7"], "hf-naive decode greedily"),
     (["decode-attention", "--batch", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
     (["decode-attention", "--layers", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
 ])
@@ -234,6 +239,35 @@ def test_burst_against_a_url_sends_the_workload_unstreamed(tmp_path: Path, defau
     assert [b["max_tokens"] for b in bodies] == want and not any(b["stream"] for b in bodies)
     assert all(len(b["prompt"]) == 128 and b["ignore_eos"] for b in bodies)
     assert_png(tmp_path / f"{next(tmp_path.glob('*.json')).stem}-throughput.png")
+
+
+def test_sampling_options_reach_every_request_and_the_result(tmp_path: Path, default_model_dir: str) -> None:
+    with fake_server() as (server, url):
+        rc = bench.main(["burst", "--url", url, "--model", "m", "--caps", "16", "--num-requests", "3",
+                         "--temperature", "0.7", "--top-p", "0.9", "--top-k", "50",
+                         "--out", str(tmp_path), "--no-progress", "--no-ceilings"])
+    assert rc == 0
+    assert only_json(tmp_path)["parameters"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 50}
+    bodies = server.bodies[1:]  # the first is the warm-up, greedy
+    assert len(bodies) == 3 and all((b["temperature"], b["top_p"], b["top_k"]) == (0.7, 0.9, 50) for b in bodies)
+    assert server.bodies[0]["temperature"] == 0 and "top_p" not in server.bodies[0]
+
+
+def test_single_offline_samples_when_asked(tiny_model_dir: str, tmp_path: Path, monkeypatch) -> None:
+    import workers.sampler as sampler
+
+    nucleus_rows = []
+    real = sampler._sample_filtered
+    monkeypatch.setattr(sampler, "_sample_filtered", lambda x, k, p, u: nucleus_rows.extend(p) or real(x, k, p, u))
+    rc = bench.main(["single", "--offline", "--num-requests", "2", "--input-len", "16", "--output-len", "8",
+                     "--temperature", "1.0", "--top-p", "0.8", "--model", tiny_model_dir, "--dtype", "float32",
+                     "--engine-option", "kv_cache_memory=64MiB", "--out", str(tmp_path), "--no-progress",
+                     "--no-ceilings"])
+    assert rc == 0
+    payload = only_json(tmp_path)
+    assert payload["parameters"]["sampling"] == {"temperature": 1.0, "top_p": 0.8}
+    assert payload["runs"][0]["metrics"]["total_output_tokens"] == 16
+    assert len(nucleus_rows) >= 16 and set(nucleus_rows) == {0.8}  # a row per timed token (the warm-up is greedy)
 
 
 def test_random_workload_honours_rate_and_concurrency(tmp_path: Path, default_model_dir: str, capsys) -> None:
