@@ -285,7 +285,6 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
                   args: argparse.Namespace, res: Systems) -> list[dict[str, Any]]:
     from loadtest.metrics import summarize
 
-    sampling = sampling_options(args)
     if system == "hf-naive":
         from loadtest.baselines import hf_naive
 
@@ -302,7 +301,7 @@ def _burst_system(system: str, cap: int, requests: list[BenchRequest], prompt_to
         from serving import LLM
 
         llm = LLM(**_engine_options(args))  # fresh per cap
-        requests = workloads.with_sampling(requests, sampling)
+        requests = workloads.with_sampling(requests, sampling_options(args))
         try:
             return [res.annotate(report.run_from_offline(run_engine(llm, requests, progress=args.progress), "engine",
                                                          "burst", prompt_tokens, cap), lengths_of_requests(requests))]
@@ -423,12 +422,16 @@ def run_long_prompt(args: argparse.Namespace) -> int:
     from loadtest import long_prompt
     from loadtest.workloads import corpus_tokens, long_prompt_requests
 
+    sampling = sampling_options(args)
+    if sampling and not args.url:
+        raise ValueError("the long-prompt suite decodes greedily; --temperature needs --url")
     tokenizer = _load_tokenizer(args)
     if args.url:
         from loadtest.metrics import summarize
 
         requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
-        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests)}, args.argv)
+        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests),
+                                                     "sampling": sampling}, args.argv)
         path = args.out / f"long-prompt-{_stamp()}.json"
         res = Systems(args)
         results, duration = timed_run("url", requests, args, res, args.stream)

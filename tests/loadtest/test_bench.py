@@ -167,6 +167,7 @@ def test_compare_rejects_files_that_are_not_results(tmp_path: Path, capsys) -> N
     (["single", "--offline", "--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["single", "--offline", "--temperature", "1", "--top-k", "0"], "--top-k must be -1 (off) or >= 1"),
     (["burst", "--systems", "hf-naive,engine", "--temperature", "0.7"], "hf-naive decode greedily"),
+    (["long-prompt", "--temperature", "0.7"], "the long-prompt suite decodes greedily; --temperature needs --url"),
     (["decode-attention", "--batch", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
     (["decode-attention", "--layers", "0"], "--batch, --context, --threads, --rounds, --repeats and --layers must be >= 1"),
 ])
