@@ -89,7 +89,13 @@ def _sample_filtered(x: torch.Tensor, top_k: list[int], top_p: list[float], u: t
     masked = vals.masked_fill(drop, float("-inf"))
     with_k = torch.tensor([kk > 0 for kk in top_k], device=dev)
     # the probabilities top-p reads: over the top-k tokens where a row has top-k, else over the vocabulary
-    norm = torch.where(with_k, masked.logsumexp(-1), x.logsumexp(-1))
+    norm = masked.logsumexp(-1)
+    no_k = [row for row, kk in enumerate(top_k) if kk <= 0]
+    if len(no_k) == n:
+        norm = x.logsumexp(-1)
+    elif no_k:
+        rows = torch.tensor(no_k, device=dev)
+        norm[rows] = x[rows].logsumexp(-1)
     probs = (masked - norm[:, None]).exp()
     drop |= (probs.cumsum(-1) - probs) >= p[:, None]
     drop[:, 0] = False
@@ -165,17 +171,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, i in enumerate(random_rows):
             if generators[i] is not None:
                 u[row] = torch.rand((), dtype=torch.float64, device=dev, generator=generators[i])
-        filtered = [row for row, p in enumerate(sub) if p.top_k > 0 or p.top_p < 1]
         drawn = torch.empty(len(sub), dtype=torch.long, device=dev)
-        if not filtered:
-            drawn = _inverse_cdf(x.softmax(-1), u)
-        elif len(filtered) < len(sub):
-            plain = torch.tensor(sorted(set(range(len(sub))) - set(filtered)), device=dev)
-            drawn[plain] = _inverse_cdf(x[plain].softmax(-1), u[plain])
-        if filtered:
-            rows = torch.tensor(filtered, device=dev)
-            drawn[rows] = _sample_filtered(x[rows], [sub[r].top_k for r in filtered], [sub[r].top_p for r in filtered],
-                                           u[rows])
+        for filtered in (False, True):
+            part = [row for row, p in enumerate(sub) if (p.top_k > 0 or p.top_p < 1) == filtered]
+            if not part:
+                continue
+            whole = len(part) == len(sub)  # then no copy of the logits
+            rows = None if whole else torch.tensor(part, device=dev)
+            xs, us = (x, u) if whole else (x[rows], u[rows])
+            got = (_sample_filtered(xs, [sub[r].top_k for r in part], [sub[r].top_p for r in part], us) if filtered
+                   else _inverse_cdf(xs.softmax(-1), us))
+            if whole:
+                drawn = got
+            else:
+                drawn[rows] = got
         tokens = greedy_tokens.clone()
         tokens[idx] = drawn
 
