@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from loadtest import decode_attention, recovery, result_commands, runners, single, structured
+from loadtest import decode_attention, long_prompt, recovery, result_commands, runners, single, structured
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.soak_mix import SoakMix
 from loadtest.workloads import BURST_CAPS, SINGLE_LEN, SINGLE_NUM_REQUESTS
@@ -241,7 +241,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "decode-attention": decode_attention.run_decode_attention,
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
     "single": single.run_single,
-    "long-prompt": runners.run_long_prompt, "policies": runners.run_policies,
+    "long-prompt": long_prompt.run_long_prompt, "policies": runners.run_policies,
     "train-predictor": result_commands.run_train_predictor, "overhead": runners.run_overhead,
     "compare": result_commands.run_compare, "plot": result_commands.run_plot, "soak": runners.run_soak,
 }

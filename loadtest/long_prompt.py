@@ -5,15 +5,17 @@ one Ray cluster, plus KV transfer throughput per transport on a 2,048-token prom
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 import urllib.request
 from typing import Any
 
+from loadtest import report, runners
 from loadtest.http_client import run_load
 from loadtest.metrics import latency_stats
 from loadtest.overhead import MODEL_NAME, LocalCluster
-from loadtest.workloads import BenchRequest, long_prompt_requests
+from loadtest.workloads import BenchRequest, corpus_tokens, long_prompt_requests
 
 LONG_PROMPT = 2048
 MAX_MODEL_LEN = LONG_PROMPT + 256
@@ -114,3 +116,38 @@ def format_tables(payload: dict[str, Any]) -> str:
         lines.append(f"| {t['transport']} | {t['transfers']:.0f} | {t['mb_per_transfer']:.1f} | {t['offer_ms']:.1f} | "
                      f"{t['fetch_ms']:.1f} | {t['mb_per_s']:.0f} |")
     return "\n".join(lines)
+
+
+def run_long_prompt(args: argparse.Namespace) -> int:
+    """`kvrelay bench long-prompt`: the workload against --url, or else the colocated/disaggregated suite."""
+    sampling = runners.sampling_options(args)
+    if sampling and not args.url:
+        raise ValueError("the long-prompt suite decodes greedily; --temperature needs --url")
+    tokenizer = runners._load_tokenizer(args)
+    if args.url:
+        from loadtest.metrics import summarize
+
+        requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
+        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests),
+                                                     "sampling": sampling}, args.argv)
+        path = args.out / f"long-prompt-{runners._stamp()}.json"
+        res = runners.Systems(args)
+        results, duration = runners.timed_run("url", requests, args, res, args.stream)
+        result = report.run_from_results(args.url, "url", "long-prompt", summarize(results, duration), results,
+                                         extra=split_stats(results, requests))
+        payload["runs"].append(result)
+        s, lg = result["extra"]["short"], result["extra"]["long"]
+        table = (f"short: TTFT p50 {s['ttft_p50_ms']:.0f} ms, p95 {s['ttft_p95_ms']:.0f} ms, ITL p95 {s['itl_p95_ms']:.0f} ms\n"
+                 f"long:  TTFT p50 {lg['ttft_p50_ms']:.0f} ms, p95 {lg['ttft_p95_ms']:.0f} ms, ITL p95 {lg['itl_p95_ms']:.0f} ms")
+        return runners._finish(payload, path, args, [table])
+    from loadtest.results import git_commit, loadavg, write_json
+
+    payload = {"workload": "long-prompt", "parameters": {k: str(v) for k, v in vars(args).items()},
+               "git_commit": git_commit(), "loadavg_start": loadavg()}
+    payload.update(run(tokenizer, corpus_tokens(tokenizer), args.transports, args.configs, args.num_requests))
+    payload["loadavg_end"] = loadavg()
+    path = args.out / f"long-prompt-{runners._stamp()}.json"
+    write_json(path, payload)
+    print(format_tables(payload))
+    print(f"wrote {path}")
+    return 0 if all(r["failed"] == 0 for r in payload["long_prompt"]) else 1

@@ -418,44 +418,6 @@ def run_policies(args: argparse.Namespace) -> int:
     return _finish(payload, path, args, [report.latency_table(payload["runs"]), report.policy_table(payload["runs"])])
 
 
-def run_long_prompt(args: argparse.Namespace) -> int:
-    from loadtest import long_prompt
-    from loadtest.workloads import corpus_tokens, long_prompt_requests
-
-    sampling = sampling_options(args)
-    if sampling and not args.url:
-        raise ValueError("the long-prompt suite decodes greedily; --temperature needs --url")
-    tokenizer = _load_tokenizer(args)
-    if args.url:
-        from loadtest.metrics import summarize
-
-        requests = long_prompt_requests(tokenizer)[: args.num_requests or None]
-        payload = report.new_payload("long-prompt", {"url": args.url, "num_requests": len(requests),
-                                                     "sampling": sampling}, args.argv)
-        path = args.out / f"long-prompt-{_stamp()}.json"
-        res = Systems(args)
-        results, duration = timed_run("url", requests, args, res, args.stream)
-        run = report.run_from_results(args.url, "url", "long-prompt", summarize(results, duration), results,
-                                      extra=long_prompt.split_stats(results, requests))
-        payload["runs"].append(run)
-        s, lg = run["extra"]["short"], run["extra"]["long"]
-        table = (f"short: TTFT p50 {s['ttft_p50_ms']:.0f} ms, p95 {s['ttft_p95_ms']:.0f} ms, ITL p95 {s['itl_p95_ms']:.0f} ms\n"
-                 f"long:  TTFT p50 {lg['ttft_p50_ms']:.0f} ms, p95 {lg['ttft_p95_ms']:.0f} ms, ITL p95 {lg['itl_p95_ms']:.0f} ms")
-        return _finish(payload, path, args, [table])
-    from loadtest.results import git_commit, loadavg, write_json
-
-    payload = {"workload": "long-prompt", "parameters": {k: str(v) for k, v in vars(args).items()},
-               "git_commit": git_commit(), "loadavg_start": loadavg()}
-    payload.update(long_prompt.run(tokenizer, corpus_tokens(tokenizer), args.transports, args.configs,
-                                   args.num_requests))
-    payload["loadavg_end"] = loadavg()
-    path = args.out / f"long-prompt-{_stamp()}.json"
-    write_json(path, payload)
-    print(long_prompt.format_tables(payload))
-    print(f"wrote {path}")
-    return 0 if all(r["failed"] == 0 for r in payload["long_prompt"]) else 1
-
-
 def run_soak(args: argparse.Namespace) -> int:
     from loadtest import soak
 
