@@ -68,8 +68,27 @@ class EngineConfig:
     stream_interval: int = _opt(1, "Streamed requests: send a request's first token at once, then its new tokens "
                                    "every this many (and the rest with its end); fewer, larger chunks cost the "
                                    "HTTP path less per token.")
+    num_speculative_tokens: int = _opt(0, "Greedy requests: draft up to this many tokens a step by n-gram prompt lookup "
+                                          "(vLLM's speculative method 'ngram') and keep those the model agrees "
+                                          "with; the same tokens as without, in fewer steps; 0: off.")
+    prompt_lookup_max: int = _opt(4, "Speculation: the longest suffix (in tokens) looked up in the sequence.")
+    prompt_lookup_min: int = _opt(2, "Speculation: the shortest suffix (in tokens) looked up in the sequence.")
+    speculative_disable_by_batch_size: int = _opt(
+        8, "Speculation: no drafts in a step while more requests than this run (a larger step is no longer "
+           "bound by reading the weights, so drafts would cost more than they save).")
 
     def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "speculative_disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "stream_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

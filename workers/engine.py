@@ -101,7 +101,8 @@ class Engine:
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-                            self.max_model_len),
+                            self.max_model_len, config.num_speculative_tokens, config.prompt_lookup_max,
+                            config.prompt_lookup_min, config.speculative_disable_by_batch_size),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
         self.outputs = OutputProcessor(self.tokenizer, config.stream_interval)
         eos = self.tokenizer.eos_token_id
@@ -248,7 +249,7 @@ class Engine:
             self._fail(run.failed)
             run = run.without({r for r in run.sched.requests if r.status.finished})
         self._computed_tokens += run.sched.total_num_tokens
-        sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids)
+        sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids, run.output.accepted)
         logprobs = run.output.logprobs
         if self.structured.active:
             sampled, logprobs = self._advance_grammars(sampled, logprobs)

@@ -15,6 +15,7 @@ from kernels.attention import AttentionBackend, CommonAttentionMetadata
 from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
+from workers.ngram import accept_drafts
 from workers.sampler import RowBitmask, SampleOutput, sample
 from workers.scheduler import SchedulerOutput
 from workers.step_inputs import StepInputs, build_step_inputs, sampled_requests
@@ -192,4 +193,6 @@ class ModelRunner:
             raise
         if plan is not None:
             result.prompt_logprobs = plan.unpack(result.extra)
+        if step.drafts:
+            result = accept_drafts(result, [s.request_id for s in specs], step.drafts)
         return result

@@ -36,6 +36,7 @@ class _Sequence:
     finish_reason: str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
+    seen_tokens: int = 0  # output tokens detokenized so far
 
 
 @dataclass(slots=True, eq=False)
@@ -135,8 +136,12 @@ class OutputProcessor:
             if not group.counted_prompt:
                 group.counted_prompt = True
                 self.prompt_tokens += len(group.prompt_token_ids)
-            self.generation_tokens += 1
+            new = req.num_output_tokens - seq.seen_tokens  # more than one after accepted drafts
+            seq.seen_tokens = req.num_output_tokens
+            self.generation_tokens += new
             token = req.all_token_ids[-1]
+            for t in req.all_token_ids[-new:-1]:  # speculation: its requests have no stop strings, so only
+                seq.detokenizer.update([t])       # the last token can stop one
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
             if self._update(req, seq, token) and not req.status.finished:

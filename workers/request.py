@@ -48,6 +48,7 @@ class Request:
     fork_source: Request | None = None  # an n>1 sibling whose prompt blocks this request may share
     hold_kv: bool = False  # prefill replica: keep the blocks when the request finishes, until released
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # see workers/penalties.py
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculation), if any
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -7,13 +7,19 @@ policy ranks lowest is preempted by recompute.
 The scheduler, through its `KVCacheManager`, is the only owner of KV blocks: it allocates, shares, frees,
 holds (a prefill replica keeps a finished prompt's blocks until `release_held`) and places imported KV
 (`add_request(..., num_imported_tokens=...)`). It also ends requests on token-level stops (EOS, stop token
-ids, `max_tokens`, `max_model_len`) as it applies each step's sampled tokens."""
+ids, `max_tokens`, `max_model_len`) as it applies each step's sampled tokens.
+
+With `num_speculative_tokens`, a greedy request in decode may also compute draft tokens (`workers/ngram.py`)
+in its step: it owes its last token plus the drafts, samples at each of them, and keeps the drafts the model
+agrees with plus the model's next token; the KV written for rejected drafts lies past its computed tokens and
+is overwritten later."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from workers.kv_cache_manager import KVCacheManager
+from workers.ngram import propose
 from workers.request import Request, RequestStatus
 from workers.request_queue import RequestQueue
 
@@ -26,6 +32,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_model_len: int
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    speculative_disable_by_batch_size: int = 8
 
 
 @dataclass(slots=True)
@@ -42,8 +52,9 @@ class SchedulerOutput:
 
     @staticmethod
     def samples(request: Request, num_new_tokens: int) -> bool:
-        """Whether a request scheduled for `num_new_tokens` samples a token this step."""
-        return request.num_computed_tokens + num_new_tokens == request.num_tokens
+        """Whether a request scheduled for `num_new_tokens` samples a token this step (past its last token
+        are only its drafts, if any)."""
+        return request.num_computed_tokens + num_new_tokens >= request.num_tokens
 
 
 class Scheduler:
@@ -59,6 +70,8 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_import_fallbacks = 0  # imported KV that found no free blocks: the prompt is recomputed
+        self.num_draft_tokens = 0  # speculation: drafts computed, and those the model agreed with
+        self.num_accepted_tokens = 0
 
     @property
     def num_waiting(self) -> int:
@@ -98,10 +111,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
 
+        speculate = 0 < len(self.running) <= self.config.speculative_disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            req.spec_token_ids = []  # a step that never applied (it raised) leaves none behind
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if speculate and num_new == 1 and self.config.num_speculative_tokens and self._may_speculate(req):
+                drafts = self._drafts(req, budget - 1)
+                if drafts and self.kv_cache.allocate_slots(req, 1 + len(drafts)):
+                    req.spec_token_ids = drafts
+                    scheduled[req] = 1 + len(drafts)
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not self.kv_cache.allocate_slots(req, num_new):
                 j, victim = max(enumerate(self.running), key=lambda e: (self.waiting.key(e[1]), e[0]))
                 budget += scheduled.pop(victim, 0)
@@ -125,6 +148,23 @@ class Scheduler:
                 out.requests.append(req)
                 out.num_new_tokens.append(n)
         return out
+
+    @staticmethod
+    def _may_speculate(req: Request) -> bool:
+        """Greedy requests whose every next token depends only on the logits: no logprobs, penalties, bias,
+        bans, grammar or stop strings (those are decided token by token), and not a prefill replica's."""
+        p = req.sampling_params
+        return (p.greedy and p.logprobs is None and p.prompt_logprobs is None and not p.adjusts_logits
+                and not p.stop_strings and p.structured_outputs is None and not req.bad_words_token_ids
+                and req.num_output_tokens >= p.min_tokens and not req.hold_kv)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for `req`, no more than it may still generate (its last token's successor is the
+        model's own) nor than `budget`."""
+        c = self.config
+        room = min(c.num_speculative_tokens, budget, req.max_tokens - req.num_output_tokens - 1,
+                   c.max_model_len - req.num_tokens - 1)
+        return propose(req.all_token_ids, room, c.prompt_lookup_max, c.prompt_lookup_min) if room > 0 else []
 
     def _admit_waiting(self, scheduled: dict[Request, int], budget: int) -> None:
         bs = self.kv_cache.block_size
@@ -159,6 +199,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         self.kv_cache.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -167,13 +208,18 @@ class Scheduler:
         self._release_siblings(req, share=False)
         self.waiting.prepend(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Advance each scheduled request by its chunk; those that reached their end take a new token,
-        and those whose token stops them are finished (`status` tells). Returns the requests that
-        sampled, in batch order."""
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
+                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
+        """Advance each scheduled request by its chunk; those that reached their end take a new token (after
+        their `accepted` drafts, if they had any), and those whose token stops them are finished (`status`
+        tells). Returns the requests that sampled, in batch order."""
         sampled: list[Request] = []
         tokens = iter(sampled_token_ids)
         for req, n in zip(out.requests, out.num_new_tokens):
+            if req.spec_token_ids:
+                self._apply_drafts(req, n, (accepted or {}).get(req.request_id, []), next(tokens))
+                sampled.append(req)
+                continue
             req.num_computed_tokens += n
             self.kv_cache.cache_computed_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
@@ -185,6 +231,26 @@ class Scheduler:
                 if status is not None:
                     self.finish_requests([req], status)
         return sampled
+
+    def _apply_drafts(self, req: Request, n: int, accepted: list[int], token: int) -> None:
+        """A speculating request computed its last token and `n - 1` drafts: the first `len(accepted)` of
+        them now count as computed, and its new tokens are those drafts and then `token`, up to a stop."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if accepted != drafts[:len(accepted)]:
+            raise RuntimeError(f"request {req.request_id}: accepted tokens {accepted} are not a prefix of its drafts")
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += len(accepted)
+        computed = req.num_computed_tokens + 1 + len(accepted)
+        status = None
+        for t in accepted + [token]:
+            req.append_token(t)
+            status = self.check_stop(req)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(computed, req.num_tokens - 1)
+        self.kv_cache.cache_computed_blocks(req)
+        if status is not None:
+            self.finish_requests([req], status)
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """The finished status the request's newest token gives it, if any. Stops (EOS, stop token ids)

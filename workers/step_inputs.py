@@ -5,6 +5,7 @@ penalties, the grammar bitmask of constrained rows and the prompt-logprobs plan.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,8 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     logits_indices: torch.Tensor  # [num_samples] rows of the flat batch that sample
     common: CommonAttentionMetadata
-    samples: list[SampleSpec]
+    samples: list[SampleSpec]  # one per sampling row
+    drafts: list[list[int]] = field(default_factory=list)  # per sampling request (speculation), if any drafts
     released: list[str] = field(default_factory=list)  # finished requests whose generators can go
     prompt_logprobs: PromptLogprobsPlan | None = None  # extra logits rows that score prompt tokens
     allowed: RowBitmask | None = None  # grammar-constrained rows' allowed tokens (host tensors when sent)
@@ -48,15 +50,27 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     block tables. Raises `RequestsFailed` naming requests whose sampling inputs could not be built."""
     reqs = out.requests
     starts = [r.num_computed_tokens for r in reqs]
-    decode_only = all(n == 1 for n in out.num_new_tokens)
-    batch = (_one_token_each if decode_only else _flatten)(reqs, starts, out.num_new_tokens, block_size)
+    nums = out.num_new_tokens
+    if all(n == 1 for n in nums):
+        batch = _one_token_each(reqs, starts, block_size)
+    elif all(n == 1 + len(r.spec_token_ids) for r, n in zip(reqs, nums)):
+        batch = _decode_rows(reqs, starts, block_size)
+    else:
+        batch = _flatten(reqs, starts, nums, block_size)
+    ends = list(itertools.accumulate(nums))  # where each request's tokens end in the flat batch
     rows = _sample_rows(out)
-    logits_indices = torch.tensor([batch.query_starts[i + 1] - 1 for i in rows], dtype=torch.long)
+    drafts = [reqs[i].spec_token_ids for i in rows]
+    # a speculating request samples at its last token and at each of its drafts
+    logits_indices = torch.tensor([ends[i] - 1 - len(d) + j for i, d in zip(rows, drafts) for j in range(len(d) + 1)],
+                                  dtype=torch.long)
     common = CommonAttentionMetadata(batch.query_lens, batch.query_start_loc, batch.context_lens, batch.block_tables,
                                      batch.slot_mapping, block_size, num_heads, num_kv_heads)
-    plan = plan_prompt_logprobs(reqs, starts, out.num_new_tokens, batch.query_starts[:-1])
-    return StepInputs(batch.input_ids, batch.positions, logits_indices, common,
-                      _sample_specs([reqs[i] for i in rows]), prompt_logprobs=plan)
+    plan = plan_prompt_logprobs(reqs, starts, nums, [e - n for e, n in zip(ends, nums)])
+    specs = _sample_specs([reqs[i] for i in rows])
+    if any(drafts):
+        specs = [s for s, d in zip(specs, drafts) for _ in range(len(d) + 1)]
+    return StepInputs(batch.input_ids, batch.positions, logits_indices, common, specs,
+                      drafts if any(drafts) else [], prompt_logprobs=plan)
 
 
 @dataclass(slots=True)
@@ -81,6 +95,8 @@ def _flatten(reqs: list[Request], starts: list[int], num_new_tokens: list[int], 
     input_ids: list[int] = []
     for r, s, n in zip(reqs, starts, num_new_tokens):
         input_ids.extend(r.all_token_ids[s:s + n])
+        if r.spec_token_ids:
+            input_ids.extend(r.spec_token_ids)
     query_lens = torch.tensor(num_new_tokens)
     start_t = torch.tensor(starts)
     context_lens = start_t + query_lens
@@ -94,7 +110,7 @@ def _flatten(reqs: list[Request], starts: list[int], num_new_tokens: list[int], 
                   slot_mapping, query_start_loc.tolist())
 
 
-def _one_token_each(reqs: list[Request], starts: list[int], num_new_tokens: list[int], bs: int) -> _Batch:
+def _one_token_each(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
     """A step of one token per request (a decode step): the same tensors as `_flatten`, built from Python
     lists. `build_step_inputs` took 107 instead of 292 us a step at one row, 168 instead of 368 at 16, on a
     2-core Zen 5 (a one-row step of SmolLM2-135M takes ~8 ms there)."""
@@ -105,15 +121,31 @@ def _one_token_each(reqs: list[Request], starts: list[int], num_new_tokens: list
                   list(range(n + 1)))
 
 
+def _decode_rows(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
+    """Decodes and speculating requests only: every token its own decode row over its request's blocks, with
+    the context up to its own position. A layer writes every row's K/V before any row attends, so a draft
+    sees the tokens before it, as in a prefill chunk, and the step runs the decode kernels."""
+    ids, positions, tables = [], [], []
+    for r, s in zip(reqs, starts):
+        row_ids = [r.all_token_ids[s]] + r.spec_token_ids
+        ids += row_ids
+        positions += range(s, s + len(row_ids))
+        tables += [r] * len(row_ids)
+    n = len(ids)
+    pos = torch.tensor(positions)
+    return _Batch(torch.tensor(ids), pos, torch.ones(n, dtype=torch.long), torch.arange(n + 1), pos + 1,
+                  _block_tables(tables), torch.tensor([r.block_ids[p // bs] * bs + p % bs for r, p in zip(tables, positions)]),
+                  list(range(n + 1)))
+
+
 def _sample_rows(out: SchedulerOutput) -> list[int]:
     """The scheduled requests that sample this step: those whose chunk reaches their last token."""
-    return [i for i, (r, n) in enumerate(zip(out.requests, out.num_new_tokens))
-            if r.num_computed_tokens + n == r.num_tokens]
+    return [i for i, (r, n) in enumerate(zip(out.requests, out.num_new_tokens)) if out.samples(r, n)]
 
 
 def sampled_requests(out: SchedulerOutput) -> list[Request]:
-    """The requests of `out` that sample this step, in the order of the step's sampling rows."""
-    return [out.requests[i] for i in _sample_rows(out)]
+    """The request of each of the step's sampling rows (a speculating request has one per token it computes)."""
+    return [out.requests[i] for i in _sample_rows(out) for _ in range(len(out.requests[i].spec_token_ids) + 1)]
 
 
 def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:

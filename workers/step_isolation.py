@@ -62,7 +62,8 @@ class IsolatedStep:
                 logprobs.append(row[1])
         dropped = {r.request_id for r in drop}
         prompt_lps = {rid: c for rid, c in self.output.prompt_logprobs.items() if rid not in dropped}
-        return IsolatedStep(kept, SampleOutput(tokens, logprobs, prompt_lps), self.failed)
+        accepted = {rid: a for rid, a in self.output.accepted.items() if rid not in dropped}
+        return IsolatedStep(kept, SampleOutput(tokens, logprobs, prompt_lps, accepted=accepted), self.failed)
 
 
 def _subset(sched: SchedulerOutput, requests: list[Request]) -> SchedulerOutput:
@@ -107,5 +108,6 @@ def _bisect(execute: Callable[[SchedulerOutput], SampleOutput], sched: Scheduler
                              first.sched.num_new_tokens + second.sched.num_new_tokens, sched.preempted)
     output = SampleOutput(first.output.token_ids + second.output.token_ids,
                           first.output.logprobs + second.output.logprobs,
-                          first.output.prompt_logprobs | second.output.prompt_logprobs)
+                          first.output.prompt_logprobs | second.output.prompt_logprobs,
+                          accepted=first.output.accepted | second.output.accepted)
     return IsolatedStep(merged, output, first.failed | second.failed)

@@ -35,7 +35,7 @@ def test_one_token_each_equals_the_general_flattening(bs, seed):
         reqs.append(_request(rng, i, bs, computed, total))
     out = SchedulerOutput(reqs, [1] * len(reqs))
     starts = [r.num_computed_tokens for r in reqs]
-    fast = step_inputs._one_token_each(reqs, starts, out.num_new_tokens, bs)
+    fast = step_inputs._one_token_each(reqs, starts, bs)
     general = step_inputs._flatten(reqs, starts, out.num_new_tokens, bs)
     for name in step_inputs._Batch.__slots__:
         a, b = getattr(fast, name), getattr(general, name)
@@ -46,6 +46,33 @@ def test_one_token_each_equals_the_general_flattening(bs, seed):
     assert torch.equal(step.logits_indices, general.query_start_loc[1:][rows] - 1)
     assert [s.request_id for s in step.samples] == [reqs[i].request_id for i in rows]
     assert torch.equal(step.input_ids, general.input_ids) and torch.equal(step.common.slot_mapping, general.slot_mapping)
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+def test_speculating_requests_run_one_decode_row_per_token(bs):
+    """Decodes beside requests with drafts: one row per token, each over its request's blocks up to its own
+    position; the tokens, positions and slots of the general path; every token of a speculating request
+    samples, in order."""
+    rng = random.Random(bs)
+    reqs = [_request(rng, i, bs, total - 1, total) for i, total in enumerate([30, 7, 64, 1])]
+    reqs[0].spec_token_ids, reqs[2].spec_token_ids = [11, 12, 13], [5]
+    for r in reqs:  # the blocks the drafts' positions need
+        r.block_ids += rng.sample(range(500, 900), -(-(r.num_tokens + len(r.spec_token_ids)) // bs) - len(r.block_ids))
+    out = SchedulerOutput(reqs, [1 + len(r.spec_token_ids) for r in reqs])
+    starts = [r.num_computed_tokens for r in reqs]
+    rows = step_inputs._decode_rows(reqs, starts, bs)
+    general = step_inputs._flatten(reqs, starts, out.num_new_tokens, bs)
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert torch.equal(getattr(rows, name), getattr(general, name)), name
+    assert torch.equal(rows.context_lens, rows.positions + 1) and rows.query_lens.tolist() == [1] * 8
+    owners = [0, 0, 0, 0, 1, 2, 2, 3]
+    assert rows.block_tables.tolist() == [general.block_tables[i].tolist() for i in owners]
+
+    step = step_inputs.build_step_inputs(out, bs, 9, 3)
+    assert step.logits_indices.tolist() == list(range(8))
+    assert [s.request_id for s in step.samples] == [reqs[i].request_id for i in owners]
+    assert step.drafts == [[11, 12, 13], [], [5], []]
+    assert step.common.query_lens.tolist() == [1] * 8  # decode rows: the attention's decode kernels take them
 
 
 def test_mixed_steps_take_the_general_path(monkeypatch):

@@ -1,0 +1,154 @@
+"""Speculation by n-gram prompt lookup (`num_speculative_tokens`): greedy requests give the same tokens,
+finish reasons and streamed text as without it, in fewer steps; drafts stop at every stop condition; requests
+whose tokens are decided one at a time never speculate; every KV block comes back."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.ngram import accept_drafts, propose
+from workers.output_processor import OutputKind
+from workers.sampler import SampleOutput
+from workers.sampling_params import SamplingParams
+
+TEXTS = {"a": "one two three four five six seven eight " * 3, "c": "The cat sat on the mat. The dog sat on the log. The"}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer, make_prompts) -> dict[str, list[int]]:
+    """Text that repeats itself (the model copies it, so lookups find drafts it agrees with) and a corpus
+    prompt (whose drafts it mostly rejects)."""
+    ids = {rid: tokenizer(t, add_special_tokens=False).input_ids for rid, t in TEXTS.items()}
+    return {"a": ids["a"], "b": make_prompts([48])[0], "c": ids["c"]}
+
+
+def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3], 2, 3, 1) == [4, 5]  # latest [1, 2, 3]
+    assert propose([7, 1, 2, 8, 5, 2], 3, 3, 1) == [8, 5, 2]  # only [2] occurred before
+    assert propose([7, 1, 2, 8, 5, 2], 3, 3, 2) == []  # ...which is shorter than min_n
+    assert propose([1, 2, 1, 2], 5, 4, 1) == [1, 2]  # no further than the sequence goes
+    assert propose([1, 2, 3, 1, 2], 0, 4, 1) == [] and propose([5], 3, 4, 1) == []
+
+
+def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
+    out = SampleOutput([10, 11, 99, 12, 5, 20, 21], [None] * 7)
+    folded = accept_drafts(out, ["a", "a", "a", "a", "b", "c", "c"], [[10, 11, 13], [], [20]])
+    assert folded.token_ids == [99, 5, 21]  # a: 2 drafts kept, then the model's 99; b: no drafts; c: all kept
+    assert folded.accepted == {"a": [10, 11], "c": [20]}
+
+
+def _engine(model: str, dtype: str = "float32", **options) -> Engine:
+    blocks = options.pop("num_kv_blocks", 64)
+    return Engine(model=model, dtype=dtype, num_kv_blocks=blocks, num_threads=2,
+                  max_model_len=blocks * options.get("block_size", 16), **options)
+
+
+def _run(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]],
+         kind: OutputKind = OutputKind.FINAL_ONLY) -> tuple[dict[str, list], int]:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, None, params[rid], prompt_token_ids=prompt, output_kind=kind)
+    outputs: dict[str, list] = {rid: [] for rid in prompts}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.get_stats().kv_cache_usage == 0
+    assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.pool.num_blocks
+    return outputs, steps
+
+
+def _finals(outputs: dict[str, list]) -> dict[str, tuple]:
+    return {rid: (o[-1].outputs[0].token_ids, o[-1].outputs[0].text, o[-1].outputs[0].finish_reason,
+                  o[-1].outputs[0].stop_reason) for rid, o in outputs.items()}
+
+
+def test_same_tokens_in_fewer_steps(default_model_dir, prompts):
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    plain, plain_steps = _run(_engine(default_model_dir), params, prompts)
+    spec_engine = _engine(default_model_dir, num_speculative_tokens=4)
+    spec, spec_steps = _run(spec_engine, params, prompts)
+    assert _finals(spec) == _finals(plain)
+    s = spec_engine.scheduler
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert spec_steps < plain_steps
+    assert spec_engine.get_stats().generation_tokens == 3 * 40
+
+
+@pytest.mark.parametrize("at", [3, 10, 25])
+def test_drafts_stop_at_stop_tokens_and_max_tokens(default_model_dir, prompts, at):
+    free = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    ref, _ = _run(_engine(default_model_dir), free, prompts)
+    # stop on a token each output takes somewhere in the middle, and a max_tokens inside a draft run
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ref[rid][-1].outputs[0].token_ids[at]])
+              for rid in prompts}
+    params["c"] = SamplingParams(max_tokens=at + 2, temperature=0, ignore_eos=True)
+    plain, _ = _run(_engine(default_model_dir), params, prompts)
+    spec_engine = _engine(default_model_dir, num_speculative_tokens=6)
+    spec, _ = _run(spec_engine, params, prompts)
+    assert _finals(spec) == _finals(plain)
+    assert len(spec["c"][-1].outputs[0].token_ids) == at + 2
+    assert spec_engine.scheduler.num_accepted_tokens > 0
+
+
+def test_streamed_deltas_add_up_to_the_same_completion(default_model_dir, prompts):
+    params = {rid: SamplingParams(max_tokens=30, temperature=0, ignore_eos=True) for rid in prompts}
+    plain, _ = _run(_engine(default_model_dir), params, prompts)
+    spec, _ = _run(_engine(default_model_dir, num_speculative_tokens=4), params, prompts, kind=OutputKind.DELTA)
+    for rid in prompts:
+        assert [t for o in spec[rid] for t in o.outputs[0].token_ids] == plain[rid][-1].outputs[0].token_ids
+        assert "".join(o.outputs[0].text for o in spec[rid]) == plain[rid][-1].outputs[0].text
+        assert any(len(o.outputs[0].token_ids) > 1 for o in spec[rid])  # some step gave several tokens
+
+
+def test_requests_decided_token_by_token_never_speculate(default_model_dir, prompts):
+    params = {"a": SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+              "b": SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True),
+              "c": SamplingParams(max_tokens=20, temperature=0, stop=["never"], repetition_penalty=1.2)}
+    plain, _ = _run(_engine(default_model_dir), params, prompts)
+    engine = _engine(default_model_dir, num_speculative_tokens=4)
+    spec, _ = _run(engine, params, prompts)
+    assert _finals(spec) == _finals(plain)
+    assert engine.scheduler.num_draft_tokens == 0
+
+
+def test_batches_larger_than_the_limit_do_not_speculate(default_model_dir, prompts):
+    params = {rid: SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for rid in prompts}
+    engine = _engine(default_model_dir, num_speculative_tokens=4, speculative_disable_by_batch_size=2)
+    _run(engine, params, prompts)
+    drafts_with_three = engine.scheduler.num_draft_tokens
+    engine2 = _engine(default_model_dir, num_speculative_tokens=4, speculative_disable_by_batch_size=2)
+    _run(engine2, {"a": params["a"]}, {"a": prompts["a"]})
+    assert engine2.scheduler.num_draft_tokens > drafts_with_three  # three at once never drafted; one did
+
+
+def test_preemption_under_a_small_pool_gives_the_same_tokens(default_model_dir, prompts):
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    plain, _ = _run(_engine(default_model_dir, num_kv_blocks=14, block_size=8), params, prompts)
+    engine = _engine(default_model_dir, num_kv_blocks=14, block_size=8, num_speculative_tokens=4)
+    spec, _ = _run(engine, params, prompts)
+    assert _finals(spec) == _finals(plain)
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_accepted_tokens > 0
+
+
+def test_bfloat16_one_stream_gives_the_same_tokens(default_model_dir, make_prompts):
+    """One stream's rows stay on the decode kernels, whose rows are computed alike at any count up to 8."""
+    prompt = {"a": make_prompts([96])[0]}
+    params = {"a": SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)}
+    plain, plain_steps = _run(_engine(default_model_dir, "bfloat16", num_kv_blocks=32), params, prompt)
+    spec, spec_steps = _run(_engine(default_model_dir, "bfloat16", num_kv_blocks=32, num_speculative_tokens=4),
+                            params, prompt)
+    assert _finals(spec) == _finals(plain)
+    assert spec_steps < plain_steps
+
+
+@pytest.mark.parametrize("options, field", [({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+                                            ({"prompt_lookup_max": 0}, "prompt_lookup_max"),
+                                            ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_min"),
+                                            ({"speculative_disable_by_batch_size": 1.5},
+                                             "speculative_disable_by_batch_size")])
+def test_bad_options_are_refused(options, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**options)
