@@ -74,7 +74,7 @@ class EngineConfig:
     prompt_lookup_max: int = _opt(4, "Speculation: the longest suffix (in tokens) looked up in the sequence.")
     prompt_lookup_min: int = _opt(2, "Speculation: the shortest suffix (in tokens) looked up in the sequence.")
     speculative_disable_by_batch_size: int = _opt(
-        8, "Speculation: no drafts in a step while more requests than this run (a larger step is no longer "
+        32, "Speculation: no drafts in a step while more requests than this run (a larger step is no longer "
            "bound by reading the weights, so drafts would cost more than they save).")
 
     def __post_init__(self) -> None:

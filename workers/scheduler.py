@@ -35,7 +35,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    speculative_disable_by_batch_size: int = 8
+    speculative_disable_by_batch_size: int = 32
 
 
 @dataclass(slots=True)
