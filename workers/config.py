@@ -82,17 +82,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "stream_interval",
+                     "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "stream_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

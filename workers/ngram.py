@@ -32,7 +32,7 @@ def propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
 def accept_drafts(output: SampleOutput, row_request_ids: list[str], drafts: list[list[int]]) -> SampleOutput:
     """Fold a speculating step's sampling rows (one per computed token of each sampling request, whose id
     each row names) into one row per request: the model's token after the drafts it agreed with (greedy
-    rows: its argmax at each position), those drafts under `accepted`."""
+    rows: its argmax at each position), and under `accepted` how many drafts that was."""
     tokens, logprobs, accepted = [], [], {}
     row = 0
     for d in drafts:
@@ -44,6 +44,6 @@ def accept_drafts(output: SampleOutput, row_request_ids: list[str], drafts: list
         tokens.append(picked[a])
         logprobs.append(output.logprobs[row + a])
         if d:
-            accepted[rid] = d[:a]
+            accepted[rid] = a
         row += len(d) + 1
     return SampleOutput(tokens, logprobs, output.prompt_logprobs, output.extra, accepted)

@@ -28,8 +28,8 @@ class SampleOutput:
     # request id -> its prompt log-probabilities computed this step (see `workers/prompt_logprobs.py`)
     prompt_logprobs: dict = field(default_factory=dict)
     extra: list[float] = field(default_factory=list)  # the `extra` tensor passed to `sample`, on the host
-    # speculation: request id -> the drafts the model agreed with, which come before its token in `token_ids`
-    accepted: dict[str, list[int]] = field(default_factory=dict)
+    # speculation: request id -> how many of its drafts the model agreed with (they come before its token)
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

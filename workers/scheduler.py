@@ -111,13 +111,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
 
-        speculate = 0 < len(self.running) <= self.config.speculative_disable_by_batch_size
+        speculate = (self.config.num_speculative_tokens > 0
+                     and len(self.running) <= self.config.speculative_disable_by_batch_size)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            req.spec_token_ids = []  # a step that never applied (it raised) leaves none behind
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # left by a step that never applied (it raised)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and num_new == 1 and self.config.num_speculative_tokens and self._may_speculate(req):
+            if speculate and num_new == 1 and self._may_speculate(req):
                 drafts = self._drafts(req, budget - 1)
                 if drafts and self.kv_cache.allocate_slots(req, 1 + len(drafts)):
                     req.spec_token_ids = drafts
@@ -209,15 +211,15 @@ class Scheduler:
         self.waiting.prepend(req)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int],
-                           accepted: dict[str, list[int]] | None = None) -> list[Request]:
+                           accepted: dict[str, int] | None = None) -> list[Request]:
         """Advance each scheduled request by its chunk; those that reached their end take a new token (after
-        their `accepted` drafts, if they had any), and those whose token stops them are finished (`status`
+        as many of their drafts as `accepted` says, if they had any), and those whose token stops them are finished (`status`
         tells). Returns the requests that sampled, in batch order."""
         sampled: list[Request] = []
         tokens = iter(sampled_token_ids)
         for req, n in zip(out.requests, out.num_new_tokens):
             if req.spec_token_ids:
-                self._apply_drafts(req, n, (accepted or {}).get(req.request_id, []), next(tokens))
+                self._apply_drafts(req, (accepted or {}).get(req.request_id, 0), next(tokens))
                 sampled.append(req)
                 continue
             req.num_computed_tokens += n
@@ -232,17 +234,15 @@ class Scheduler:
                     self.finish_requests([req], status)
         return sampled
 
-    def _apply_drafts(self, req: Request, n: int, accepted: list[int], token: int) -> None:
-        """A speculating request computed its last token and `n - 1` drafts: the first `len(accepted)` of
-        them now count as computed, and its new tokens are those drafts and then `token`, up to a stop."""
+    def _apply_drafts(self, req: Request, accepted: int, token: int) -> None:
+        """A speculating request computed its last token and its drafts: the first `accepted` drafts now
+        count as computed, and its new tokens are those drafts and then `token`, up to a stop."""
         drafts, req.spec_token_ids = req.spec_token_ids, []
-        if accepted != drafts[:len(accepted)]:
-            raise RuntimeError(f"request {req.request_id}: accepted tokens {accepted} are not a prefix of its drafts")
         self.num_draft_tokens += len(drafts)
-        self.num_accepted_tokens += len(accepted)
-        computed = req.num_computed_tokens + 1 + len(accepted)
+        self.num_accepted_tokens += accepted
+        computed = req.num_computed_tokens + 1 + accepted
         status = None
-        for t in accepted + [token]:
+        for t in drafts[:accepted] + [token]:
             req.append_token(t)
             status = self.check_stop(req)
             if status is not None:

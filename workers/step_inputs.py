@@ -51,9 +51,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     reqs = out.requests
     starts = [r.num_computed_tokens for r in reqs]
     nums = out.num_new_tokens
-    if all(n == 1 for n in nums):
-        batch = _one_token_each(reqs, starts, block_size)
-    elif all(n == 1 + len(r.spec_token_ids) for r, n in zip(reqs, nums)):
+    if all(n == 1 + len(r.spec_token_ids) for r, n in zip(reqs, nums)):  # decodes (some with drafts) only
         batch = _decode_rows(reqs, starts, block_size)
     else:
         batch = _flatten(reqs, starts, nums, block_size)
@@ -69,8 +67,9 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     specs = _sample_specs([reqs[i] for i in rows])
     if any(drafts):
         specs = [s for s, d in zip(specs, drafts) for _ in range(len(d) + 1)]
-    return StepInputs(batch.input_ids, batch.positions, logits_indices, common, specs,
-                      drafts if any(drafts) else [], prompt_logprobs=plan)
+    else:
+        drafts = []
+    return StepInputs(batch.input_ids, batch.positions, logits_indices, common, specs, drafts, prompt_logprobs=plan)
 
 
 @dataclass(slots=True)
@@ -110,31 +109,25 @@ def _flatten(reqs: list[Request], starts: list[int], num_new_tokens: list[int], 
                   slot_mapping, query_start_loc.tolist())
 
 
-def _one_token_each(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
-    """A step of one token per request (a decode step): the same tensors as `_flatten`, built from Python
-    lists. `build_step_inputs` took 107 instead of 292 us a step at one row, 168 instead of 368 at 16, on a
-    2-core Zen 5 (a one-row step of SmolLM2-135M takes ~8 ms there)."""
-    n = len(reqs)
-    return _Batch(torch.tensor([r.all_token_ids[s] for r, s in zip(reqs, starts)]), torch.tensor(starts),
-                  torch.ones(n, dtype=torch.long), torch.arange(n + 1), torch.tensor([s + 1 for s in starts]),
-                  _block_tables(reqs), torch.tensor([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]),
-                  list(range(n + 1)))
-
-
 def _decode_rows(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
-    """Decodes and speculating requests only: every token its own decode row over its request's blocks, with
-    the context up to its own position. A layer writes every row's K/V before any row attends, so a draft
-    sees the tokens before it, as in a prefill chunk, and the step runs the decode kernels."""
-    ids, positions, tables = [], [], []
+    """Decodes only, some with drafts: every token its own decode row over its request's blocks, with the
+    context up to its own position. A layer writes every row's K/V before any row attends, so a draft sees
+    the tokens before it, as in a prefill chunk, and the step runs the decode kernels. Built from Python
+    lists: `build_step_inputs` took 107 instead of 292 us a step at one row, 168 instead of 368 at 16, on a
+    2-core Zen 5, than through `_flatten` (a one-row step of SmolLM2-135M takes ~8 ms there)."""
+    ids, positions, owners = [], [], []
     for r, s in zip(reqs, starts):
-        row_ids = [r.all_token_ids[s]] + r.spec_token_ids
-        ids += row_ids
-        positions += range(s, s + len(row_ids))
-        tables += [r] * len(row_ids)
+        ids.append(r.all_token_ids[s])
+        positions.append(s)
+        owners.append(r)
+        for j, t in enumerate(r.spec_token_ids, 1):
+            ids.append(t)
+            positions.append(s + j)
+            owners.append(r)
     n = len(ids)
-    pos = torch.tensor(positions)
-    return _Batch(torch.tensor(ids), pos, torch.ones(n, dtype=torch.long), torch.arange(n + 1), pos + 1,
-                  _block_tables(tables), torch.tensor([r.block_ids[p // bs] * bs + p % bs for r, p in zip(tables, positions)]),
+    return _Batch(torch.tensor(ids), torch.tensor(positions), torch.ones(n, dtype=torch.long), torch.arange(n + 1),
+                  torch.tensor([p + 1 for p in positions]), _block_tables(owners),
+                  torch.tensor([r.block_ids[p // bs] * bs + p % bs for r, p in zip(owners, positions)]),
                   list(range(n + 1)))
 
 

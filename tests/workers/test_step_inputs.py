@@ -24,7 +24,7 @@ def _request(rng: random.Random, i: int, bs: int, computed: int, total: int) -> 
 
 @pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("seed", range(4))
-def test_one_token_each_equals_the_general_flattening(bs, seed):
+def test_decode_rows_equal_the_general_flattening(bs, seed):
     """Decodes at random positions, and prefill chunks of one token that do not reach their last token
     (they do not sample): every tensor, its dtype and the sampled rows are those of the general path."""
     rng = random.Random(seed)
@@ -35,7 +35,7 @@ def test_one_token_each_equals_the_general_flattening(bs, seed):
         reqs.append(_request(rng, i, bs, computed, total))
     out = SchedulerOutput(reqs, [1] * len(reqs))
     starts = [r.num_computed_tokens for r in reqs]
-    fast = step_inputs._one_token_each(reqs, starts, bs)
+    fast = step_inputs._decode_rows(reqs, starts, bs)
     general = step_inputs._flatten(reqs, starts, out.num_new_tokens, bs)
     for name in step_inputs._Batch.__slots__:
         a, b = getattr(fast, name), getattr(general, name)
@@ -78,7 +78,7 @@ def test_speculating_requests_run_one_decode_row_per_token(bs):
 def test_mixed_steps_take_the_general_path(monkeypatch):
     rng = random.Random(7)
     reqs = [_request(rng, 0, 16, 0, 40), _request(rng, 1, 16, 30, 31)]
-    monkeypatch.setattr(step_inputs, "_one_token_each", lambda *a: pytest.fail("a prefill step took the decode path"))
+    monkeypatch.setattr(step_inputs, "_decode_rows", lambda *a: pytest.fail("a prefill step took the decode path"))
     step = step_inputs.build_step_inputs(SchedulerOutput(reqs, [40, 1]), 16, 9, 3)
     assert step.input_ids.tolist() == reqs[0].all_token_ids + [reqs[1].all_token_ids[30]]
     assert step.positions.tolist() == list(range(40)) + [30]
