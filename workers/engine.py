@@ -55,6 +55,12 @@ class EngineStats:
     num_kv_held: int = 0  # finished prefill-only requests whose blocks wait for their transfer
     num_kv_import_fallbacks: int = 0  # imports that found no free blocks and were recomputed instead
     token_gaps: list[float] = field(default_factory=list)  # inter-token gaps (s) since the previous get_stats()
+    # Speculation (vLLM's spec_decode_* counters): drafting steps of a request, drafts, drafts kept, and drafts
+    # kept by position in the draft (index 0: the first).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 def _load_predictor(path: str | None):
@@ -303,4 +309,8 @@ class Engine:
             num_kv_import_fallbacks=s.num_import_fallbacks,
             num_pending_tokens=s.num_pending_tokens,
             token_gaps=self.outputs.take_token_gaps(),
+            spec_num_drafts=s.num_drafts,
+            spec_num_draft_tokens=s.num_draft_tokens,
+            spec_num_accepted_tokens=s.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(s.accepted_per_pos),
         )

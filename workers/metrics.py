@@ -66,6 +66,13 @@ class EngineMetrics:
         self._kv_seconds = Histogram("kvrelay:kv_transfer_seconds", "Time to pack and offer (send) or fetch (receive) "
                                      "one request's KV.", ["replica", "role", "transport"], buckets=_ITL_BUCKETS,
                                      registry=r)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculation: steps in which a request computed drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculation: draft tokens computed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculation: draft tokens the model agreed with (kept).")
+        self._spec_per_pos = Counter("kvrelay:spec_decode_num_accepted_tokens_per_pos", "Speculation: draft tokens "
+                                     "kept, by their position in the draft (0: the first).", ["replica", "position"],
+                                     registry=r)
         self._last = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {})
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
@@ -80,6 +87,12 @@ class EngineMetrics:
         self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.kv_import_fallbacks.inc(stats.num_kv_import_fallbacks - last.num_kv_import_fallbacks)
+        self.spec_drafts.inc(stats.spec_num_drafts - last.spec_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_num_draft_tokens - last.spec_num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+        for pos, count in enumerate(stats.spec_accepted_per_pos):
+            before = last.spec_accepted_per_pos[pos] if pos < len(last.spec_accepted_per_pos) else 0
+            self._spec_per_pos.labels(self._replica, str(pos)).inc(count - before)
         for reason, count in stats.finished.items():
             delta = count - last.finished.get(reason, 0)
             if delta:

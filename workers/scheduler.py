@@ -70,8 +70,12 @@ class Scheduler:
         self.held: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_import_fallbacks = 0  # imported KV that found no free blocks: the prompt is recomputed
-        self.num_draft_tokens = 0  # speculation: drafts computed, and those the model agreed with
+        # Speculation: steps in which a request computed drafts, the drafts computed, those the model agreed
+        # with, and of those how many at each draft position (index 0: the first draft).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
 
     @property
     def num_waiting(self) -> int:
@@ -238,8 +242,13 @@ class Scheduler:
         """A speculating request computed its last token and its drafts: the first `accepted` drafts now
         count as computed, and its new tokens are those drafts and then `token`, up to a stop."""
         drafts, req.spec_token_ids = req.spec_token_ids, []
+        self.num_drafts += 1
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < len(drafts):
+            self.accepted_per_pos += [0] * (len(drafts) - len(self.accepted_per_pos))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
         computed = req.num_computed_tokens + 1 + accepted
         status = None
         for t in drafts[:accepted] + [token]:

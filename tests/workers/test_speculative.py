@@ -8,6 +8,7 @@ import pytest
 
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.metrics import EngineMetrics
 from workers.ngram import accept_drafts, propose
 from workers.output_processor import OutputKind
 from workers.sampler import SampleOutput
@@ -75,6 +76,28 @@ def test_same_tokens_in_fewer_steps(default_model_dir, prompts):
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert spec_steps < plain_steps
     assert spec_engine.get_stats().generation_tokens == 3 * 40
+
+
+def test_prometheus_counts_drafts_and_what_was_kept_by_position(default_model_dir, prompts):
+    engine, metrics = _engine(default_model_dir, num_speculative_tokens=4), EngineMetrics("r0")
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    while engine.has_unfinished_requests():
+        metrics.observe_step(engine.get_stats(), engine.step())
+    metrics.observe_step(engine.get_stats(), [])
+    s = engine.scheduler
+    exposed = {(sample.name, sample.labels.get("position")): sample.value
+               for family in metrics.registry.collect() for sample in family.samples
+               if sample.name.startswith("kvrelay:spec_decode_")}
+    assert exposed[("kvrelay:spec_decode_num_drafts_total", None)] == s.num_drafts > 0
+    assert exposed[("kvrelay:spec_decode_num_draft_tokens_total", None)] == s.num_draft_tokens
+    assert s.num_drafts <= s.num_draft_tokens <= 4 * s.num_drafts
+    assert exposed[("kvrelay:spec_decode_num_accepted_tokens_total", None)] == s.num_accepted_tokens > 0
+    per_pos = [exposed[("kvrelay:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)]
+    assert sum(per_pos) == s.num_accepted_tokens
+    # a draft is kept only after every draft before it was: the counts never grow with the position
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= s.num_drafts
 
 
 @pytest.mark.parametrize("at", [3, 10, 25])
