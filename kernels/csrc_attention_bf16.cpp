@@ -234,7 +234,11 @@ struct DecodeScratch {
   std::vector<__m512i> vpairs;   // [8 position pairs, KV heads, DC, lo/hi]
 };
 
-// One request's single query: DC = head_dim / 32. Positions go in tiles of 16. Pass 1 scores a tile for
+// One request's queries: DC = head_dim / 32; `m` consecutive rows whose contexts are ctx, ctx + 1, ...
+// (a decode row and its drafts: `decode_groups`), all of them over `table`, so they share every K and V
+// load. Row r's head h is "head" e = r * H + h below, and it sees the first ctx + r positions; each row's
+// numbers are those it gets alone, bit for bit (positions past its context get zero numerators, whose
+// products add zeros). Positions go in tiles of 16. Pass 1 scores a tile for
 // every query head (K rows from L1 after the first head of their KV head). Pass 2 interleaves a tile's V
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
@@ -246,10 +250,11 @@ struct DecodeScratch {
 // position. Against prefetches spread over the heads' arithmetic, this took a 30-layer sweep of 200
 // requests on a 2-core Xeon from 70-73 to 64-67 ms (docs/results/amx-20261202c).
 template <int DC>
-void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t ctx, const int64_t* table, int64_t H,
-                    float scale, DecodeScratch& s) {
+void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t first_ctx, int64_t m, const int64_t* table,
+                    int64_t H, float scale, DecodeScratch& s) {
   constexpr int64_t D = DC * 32;
-  const int64_t KVH = pg.kv_heads, G = H / KVH, row_bytes = KVH * D * 2;
+  const int64_t KVH = pg.kv_heads, G = H / KVH, row_bytes = KVH * D * 2, E = m * H;
+  const int64_t ctx = first_ctx + m - 1;  // the last row's: every position any row sees
   const int64_t tiles = (ctx + 15) / 16, n = tiles * 16, npairs = n / 2;
   s.rows.resize(n);
   const int64_t row_len = KVH * D;
@@ -258,7 +263,7 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     for (int64_t i = 0; i < pg.block_size && p < ctx; ++i, ++p) s.rows[p] = first_row + i * row_len;
   }
   for (int64_t p = ctx; p < n; ++p) s.rows[p] = s.rows[ctx - 1];  // past ctx: a valid row, masked
-  s.scores.resize(H * n);
+  s.scores.resize(E * n);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t* rows = s.rows.data() + t * 16;
     const bool last = t + 1 == tiles;  // then the tile to fetch is the first V tile
@@ -270,11 +275,12 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
     const bool far_ok = far_tile < tiles;
     const uint16_t* far_cache = far_k ? pg.k : pg.v;
     const int64_t* far_rows = s.rows.data() + (far_ok ? far_tile : 0) * 16;
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t j = h / G;
-      const bool from_memory = h % G == 0;  // the first head of its KV head loads the K lines; the rest hit L1
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t h = e % H, j = h / G;
+      // the first row's first head of its KV head loads the K lines; the rest hit L1
+      const bool from_memory = e < H && h % G == 0;
       __m512bh qv[DC];
-      for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + h * D + 32 * c));
+      for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + e * D + 32 * c));
       __m512 dots[16];
       for (int i = 0; i < 16; ++i) {
         if (from_memory) {  // the same KV head's lines of the next tile's row i; a trigger in the far tile
@@ -288,20 +294,20 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
         for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
         dots[i] = a;
       }
-      _mm512_storeu_ps(s.scores.data() + h * n + t * 16, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+      _mm512_storeu_ps(s.scores.data() + e * n + t * 16, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
     }
   }
-  s.probs.resize(H * npairs);
-  s.inv_sum.resize(H);
-  for (int64_t h = 0; h < H; ++h) {
-    float* sh = s.scores.data() + h * n;
-    s.inv_sum[h] = 1.f / exp_row(sh, ctx, n);  // zero past ctx
+  s.probs.resize(E * npairs);
+  s.inv_sum.resize(E);
+  for (int64_t e = 0; e < E; ++e) {
+    float* sh = s.scores.data() + e * n;
+    s.inv_sum[e] = 1.f / exp_row(sh, first_ctx + e / H, n);  // zero past the row's context
     // In memory order a pair's word holds position 2k in its low half: 16 numerators to 16 bfloat16 at a
     // time, rounded to nearest even (they are zero or normal: exp512 clamps its input above -87.3).
-    auto* ph = reinterpret_cast<__m256i*>(s.probs.data() + h * npairs);
+    auto* ph = reinterpret_cast<__m256i*>(s.probs.data() + e * npairs);
     for (int64_t p = 0; p < n; p += 16) _mm256_storeu_si256(ph + p / 16, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(sh + p))));
   }
-  s.acc.assign(H * 2 * DC, _mm512_setzero_ps());
+  s.acc.assign(E * 2 * DC, _mm512_setzero_ps());
   s.vpairs.resize(8 * KVH * DC * 2);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t* rows = s.rows.data() + t * 16;
@@ -322,13 +328,15 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
           dst[1] = _mm512_unpackhi_epi16(a, b);
         }
     }
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t j = h / G;
-      __m512* acc = s.acc.data() + h * 2 * DC;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t j = (e % H) / G;
+      // a row whose context ends before this tile adds nothing here (its numerators are zero)
+      const int64_t row_pairs = std::min<int64_t>(pairs, (first_ctx + e / H - t * 16 + 1) / 2);
+      __m512* acc = s.acc.data() + e * 2 * DC;
       __m512 a[2 * DC];
       for (int c = 0; c < 2 * DC; ++c) a[c] = acc[c];
-      const uint32_t* ph = s.probs.data() + h * npairs + t * 8;
-      for (int64_t p2 = 0; p2 < pairs; ++p2) {
+      const uint32_t* ph = s.probs.data() + e * npairs + t * 8;
+      for (int64_t p2 = 0; p2 < row_pairs; ++p2) {
         const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(ph[p2])));
         const __m512i* v = s.vpairs.data() + (p2 * KVH + j) * DC * 2;
         for (int c = 0; c < 2 * DC; ++c) a[c] = _mm512_dpbf16_ps(a[c], w, as_bh(v[c]));
@@ -339,11 +347,11 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
   // Unpack order: within 128-bit lane k of chunk c, lo holds d = 32c + 8k + {0..3} and hi d = 32c + 8k + {4..7}.
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int64_t h = 0; h < H; ++h) {
-    const __m512 inv = _mm512_set1_ps(s.inv_sum[h]);
-    const __m512* acc = s.acc.data() + h * 2 * DC;
+  for (int64_t e = 0; e < E; ++e) {
+    const __m512 inv = _mm512_set1_ps(s.inv_sum[e]);
+    const __m512* acc = s.acc.data() + e * 2 * DC;
     for (int c = 0; c < DC; ++c) {
-      uint16_t* o = out + h * D + 32 * c;
+      uint16_t* o = out + e * D + 32 * c;
       const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], first, acc[2 * c + 1]), inv);
       const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], second, acc[2 * c + 1]), inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
@@ -352,20 +360,53 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t c
   }
 }
 
+// At most this many rows in one group: a decode row and up to 15 drafts.
+constexpr int64_t kMaxGroupRows = 16;
+
+// The first row of each group of consecutive rows that attend over the same blocks at contexts ctx, ctx + 1,
+// ... (a speculating request's last token and its drafts), then the number of rows. Rows are grouped by what
+// they read, not by whose they are, so grouping never changes a row's result.
+// Fewer groups than threads would leave a thread idle (one stream and its drafts: 1.65 ms against 1.3 for
+// 30 layers of 5 rows on two threads), so then every row is its own group.
+std::vector<int64_t> decode_groups(const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                                   int64_t block_size) {
+  const int64_t B = context_lens.size(0), W = block_tables.size(1);
+  const int64_t* cl = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  std::vector<int64_t> starts;
+  starts.reserve(B + 1);
+  for (int64_t b = 0; b < B; ++b) {
+    // the blocks the longer context covers, all of which a table row of width W must hold
+    const int64_t blocks = std::min<int64_t>(W, (cl[b] + block_size - 1) / block_size);
+    const bool joins = b > 0 && b - starts.back() < kMaxGroupRows && cl[b] == cl[b - 1] + 1 &&
+                       std::memcmp(tables + b * W, tables + (b - 1) * W, blocks * sizeof(int64_t)) == 0;
+    if (!joins) starts.push_back(b);
+  }
+  if (static_cast<int64_t>(starts.size()) < std::min<int64_t>(at::get_num_threads(), B)) {
+    starts.resize(B);
+    for (int64_t b = 0; b < B; ++b) starts[b] = b;
+  }
+  starts.push_back(B);
+  return starts;
+}
+
 // Requests are handed out one at a time from a shared counter, not a fixed share per thread: when another
 // process preempts one thread (a server's HTTP path, Ray's own), the others take its remaining requests
 // instead of waiting for it at the end. With a process spinning 2 ms in every 10 beside it, a 30-layer sweep
 // of 200 requests on a 2-core Xeon took 72 ms instead of 77 (67.8 ms either way without it).
 template <int DC>
-void decode_all(const Paged& pg, const uint16_t* q, uint16_t* out, const int64_t* context_lens, int64_t B, int64_t H,
-                float scale) {
+void decode_all(const Paged& pg, const uint16_t* q, uint16_t* out, const int64_t* context_lens,
+                const std::vector<int64_t>& groups, int64_t H, float scale) {
+  const int64_t B = static_cast<int64_t>(groups.size()) - 1;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), B);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     DecodeScratch scratch;
-    for (int64_t b; (b = next.fetch_add(1, std::memory_order_relaxed)) < B;)
-      decode_request<DC>(pg, q + b * H * DC * 32, out + b * H * DC * 32, context_lens[b], pg.tables + b * pg.table_width, H,
-                         scale, scratch);
+    for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < B;) {
+      const int64_t b = groups[g];
+      decode_request<DC>(pg, q + b * H * DC * 32, out + b * H * DC * 32, context_lens[b], groups[g + 1] - b,
+                         pg.tables + b * pg.table_width, H, scale, scratch);
+    }
   });
 }
 
@@ -384,6 +425,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
   context_lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t* cl = context_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(cl[b] >= 1, "every decode needs at least one cached position");
+  const std::vector<int64_t> groups = decode_groups(block_tables, context_lens, k_cache.size(1));
   auto out = torch::empty_like(q);
   const Paged pg{reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
                  block_tables.data_ptr<int64_t>(), block_tables.size(1), k_cache.size(1), KVH, D};
@@ -391,14 +433,14 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float fscale = static_cast<float>(scale);
   switch (D / 32) {
-    case 1: decode_all<1>(pg, qp, op, cl, B, H, fscale); break;
-    case 2: decode_all<2>(pg, qp, op, cl, B, H, fscale); break;
-    case 3: decode_all<3>(pg, qp, op, cl, B, H, fscale); break;
-    case 4: decode_all<4>(pg, qp, op, cl, B, H, fscale); break;
-    case 5: decode_all<5>(pg, qp, op, cl, B, H, fscale); break;
-    case 6: decode_all<6>(pg, qp, op, cl, B, H, fscale); break;
-    case 7: decode_all<7>(pg, qp, op, cl, B, H, fscale); break;
-    default: decode_all<8>(pg, qp, op, cl, B, H, fscale); break;
+    case 1: decode_all<1>(pg, qp, op, cl, groups, H, fscale); break;
+    case 2: decode_all<2>(pg, qp, op, cl, groups, H, fscale); break;
+    case 3: decode_all<3>(pg, qp, op, cl, groups, H, fscale); break;
+    case 4: decode_all<4>(pg, qp, op, cl, groups, H, fscale); break;
+    case 5: decode_all<5>(pg, qp, op, cl, groups, H, fscale); break;
+    case 6: decode_all<6>(pg, qp, op, cl, groups, H, fscale); break;
+    case 7: decode_all<7>(pg, qp, op, cl, groups, H, fscale); break;
+    default: decode_all<8>(pg, qp, op, cl, groups, H, fscale); break;
   }
   return out;
 }

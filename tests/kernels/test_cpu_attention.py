@@ -206,6 +206,39 @@ def test_bf16_chunk_paths_match_dense(monkeypatch, amx, batch, path):
 
 
 @needs_compiled_kernels
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_bf16_decode_rows_over_the_same_blocks_give_each_rows_own_bits(block_size):
+    """Consecutive decode rows over the same blocks at contexts c, c + 1, ... (a speculating request's last
+    token and its drafts) share their K/V loads in the kernel; each row's output is the one it gets alone,
+    bit for bit. Rows whose tables differ past a shared prefix, or whose contexts do not follow on, are
+    computed on their own, and so is a run longer than the kernel's group."""
+    ext = get_attention_backend("cpp")._ext
+    if not get_attention_backend("cpp")._bf16:
+        pytest.skip("no AVX512-BF16: the bfloat16 kernels are not built")
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, num_blocks = 9, 3, 64, 1200
+    k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    width = 300 // block_size + 1
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    a, b = perm[:width], perm[width:2 * width]
+    shared = a[:2] + b[2:]  # the same first blocks as `a` (a prefix cache hit), then its own
+    rows = ([(a, 40 + i) for i in range(5)] + [(b, 7)] + [(b, 8 + i) for i in range(20)]  # a run past 16 rows
+            + [(shared, 28 + block_size), (a, 29 + block_size), (a, 31 + block_size), (a, 200), (b, 201)])
+    tables = torch.tensor([t for t, _ in rows])
+    contexts = torch.tensor([c for _, c in rows])
+    q = torch.randn(len(rows), heads, dim, generator=g).bfloat16()
+    out = ext.paged_decode_attention_bf16(q, k, v, tables, contexts, 0.125)
+    for i in range(len(rows)):
+        alone = ext.paged_decode_attention_bf16(q[i:i + 1], k, v, tables[i:i + 1], contexts[i:i + 1], 0.125)
+        assert torch.equal(out[i:i + 1], alone), f"row {i}"
+        kk = k[tables[i]].flatten(0, 1)[:contexts[i]].float().repeat_interleave(heads // kv_heads, 1)
+        vv = v[tables[i]].flatten(0, 1)[:contexts[i]].float().repeat_interleave(heads // kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,phd->hp", q[i].float(), kk) * 0.125, -1)
+        torch.testing.assert_close(out[i].float(), torch.einsum("hp,phd->hd", p, vv), atol=2e-2, rtol=2e-2)
+
+
+@needs_compiled_kernels
 def test_bf16_kernels_take_head_dims_up_to_256():
     """The decode kernel keeps a head's sums in registers (head_dim / 16 of them): past 256 the generic kernels
     run instead, and still match."""
