@@ -73,13 +73,15 @@ class EngineConfig:
                                           "with; the same tokens as without, in fewer steps; 0: off.")
     prompt_lookup_max: int = _opt(4, "Speculation: the longest suffix (in tokens) looked up in the sequence.")
     prompt_lookup_min: int = _opt(2, "Speculation: the shortest suffix (in tokens) looked up in the sequence.")
-    speculative_disable_by_batch_size: int = _opt(
-        32, "Speculation: no drafts in a step while more requests than this run (a larger step is no longer "
-           "bound by reading the weights, so drafts would cost more than they save).")
+    speculative_disable_by_batch_size: int | None = _opt(
+        None, "Speculation: no drafts in a step while more requests than this run; default: no limit (beside "
+              "other requests, each drafts only as many tokens as its record of kept drafts earns).")
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "speculative_disable_by_batch_size"):
             value = getattr(self, name)
+            if value is None and name == "speculative_disable_by_batch_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size", "stream_interval",

@@ -49,6 +49,10 @@ class Request:
     hold_kv: bool = False  # prefill replica: keep the blocks when the request finishes, until released
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # see workers/penalties.py
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculation), if any
+    # Its drafts' record (decayed): drafts kept, and drafts judged (those kept, plus the first refused).
+    spec_kept: float = 0.0
+    spec_judged: float = 0.0
+    spec_skipped: int = 0  # steps since it last drafted for want of a good record
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

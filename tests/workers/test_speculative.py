@@ -147,6 +147,48 @@ def test_batches_larger_than_the_limit_do_not_speculate(default_model_dir, promp
     assert engine2.scheduler.num_draft_tokens > drafts_with_three  # three at once never drafted; one did
 
 
+def _drafts_per_step(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]]) -> list[dict]:
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, None, params[rid], prompt_token_ids=prompt)
+    steps = []
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule
+        scheduled = out()
+        steps.append({r.request_id: len(r.spec_token_ids) for r in scheduled.requests})
+        engine.scheduler.schedule = lambda: scheduled
+        try:
+            engine.step()
+        finally:
+            engine.scheduler.schedule = out
+    return steps
+
+
+def test_beside_others_a_request_drafts_what_its_record_earns(default_model_dir, prompts, monkeypatch):
+    """Drafts that are always refused: alone a request keeps drafting in full (its rows are nearly free);
+    beside another it stops after its first refusal and then drafts one token every 8th step to learn
+    again. A request whose drafts are kept drafts in full beside others."""
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    monkeypatch.setattr("workers.scheduler.propose", lambda tokens, k, max_n, min_n: [7] * k)  # never kept
+    alone = _drafts_per_step(_engine(default_model_dir, num_speculative_tokens=4), {"a": params["a"]},
+                             {"a": prompts["a"]})
+    assert [d["a"] for d in alone[1:-4]] == [4] * (len(alone) - 5)  # in full, until max_tokens leaves less room
+    engine = _engine(default_model_dir, num_speculative_tokens=4)
+    together = _drafts_per_step(engine, params, prompts)
+    for rid in prompts:
+        drafts = [d.get(rid, 0) for d in together]
+        first = next(i for i, n in enumerate(drafts) if n)
+        assert drafts[first] == 2  # a new record: each draft kept at 0.75, the second at 0.56 >= 0.5
+        later = [i for i, n in enumerate(drafts) if n and i > first]
+        assert all(drafts[i] == 1 for i in later) and len(later) >= 3
+        assert [b - a for a, b in zip([first] + later, later)] == [8] * len(later)  # probes, 8 steps apart
+    assert engine.scheduler.num_accepted_tokens == 0
+    monkeypatch.undo()
+    engine = _engine(default_model_dir, num_speculative_tokens=4)
+    kept = _drafts_per_step(engine, params, prompts)
+    a = [d.get("a", 0) for d in kept]  # text that repeats itself: the model agrees with its drafts
+    assert 4 in a[a.index(2) + 1:]  # from two drafts (a new record) to four, once they were kept
+
+
 def test_preemption_under_a_small_pool_gives_the_same_tokens(default_model_dir, prompts):
     params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
     plain, _ = _run(_engine(default_model_dir, num_kv_blocks=14, block_size=8), params, prompts)

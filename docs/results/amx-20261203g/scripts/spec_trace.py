@@ -7,6 +7,9 @@ from loadtest.workloads import burst_requests, BenchRequest
 from loadtest.overhead import run_engine_inprocess
 kw = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in sys.argv[1:])}
 cap = kw.pop("cap", 256)
+if kw.pop("useless_drafts", False):  # the worst case: every request drafts its full K, none kept
+    import workers.scheduler as sm
+    sm.propose = lambda tokens, k, max_n, min_n: [7] * k if k > 0 else []
 llm = LLM(**kw)
 eng = llm.engine
 steps = []
