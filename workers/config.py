@@ -68,7 +68,7 @@ class EngineConfig:
     stream_interval: int = _opt(1, "Streamed requests: send a request's first token at once, then its new tokens "
                                    "every this many (and the rest with its end); fewer, larger chunks cost the "
                                    "HTTP path less per token.")
-    num_speculative_tokens: int = _opt(0, "Greedy requests: draft up to this many tokens a step by n-gram prompt lookup "
+    num_speculative_tokens: int = _opt(4, "Greedy requests: draft up to this many tokens a step by n-gram prompt lookup "
                                           "(vLLM's speculative method 'ngram') and keep those the model agrees "
                                           "with; the same tokens as without, in fewer steps; 0: off.")
     prompt_lookup_max: int = _opt(4, "Speculation: the longest suffix (in tokens) looked up in the sequence.")

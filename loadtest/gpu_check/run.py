@@ -111,6 +111,7 @@ def run_checks(plan, model_dir: Path) -> dict:
     _section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE), results)
     _section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab), results)
     _section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab), results)
+    _section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab), results)
     _section("throughput", lambda: throughput(plan, model, vocab), results)
     why_not = pd_handoff.transport_available()
     if why_not:

@@ -11,7 +11,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    return LLM(default_model_dir, dtype="float32", max_model_len=1024, kv_cache_memory="128MiB")
+    # no speculation: the step-by-step count of computed tokens below would include its drafts
+    return LLM(default_model_dir, dtype="float32", max_model_len=1024, kv_cache_memory="128MiB",
+               num_speculative_tokens=0)
 
 
 def test_shared_prefix_computes_only_new_tokens(llm, default_model_dir, make_prompts):

@@ -41,6 +41,8 @@ def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
 
 
 def _engine(model: str, dtype: str = "float32", **options) -> Engine:
+    """An engine without speculation unless `options` ask for it (it is on by default)."""
+    options.setdefault("num_speculative_tokens", 0)
     blocks = options.pop("num_kv_blocks", 64)
     return Engine(model=model, dtype=dtype, num_kv_blocks=blocks, num_threads=2,
                   max_model_len=blocks * options.get("block_size", 16), **options)
@@ -76,6 +78,17 @@ def test_same_tokens_in_fewer_steps(default_model_dir, prompts):
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert spec_steps < plain_steps
     assert spec_engine.get_stats().generation_tokens == 3 * 40
+
+
+def test_on_by_default_for_greedy_requests_only(default_model_dir, prompts):
+    engine = Engine(model=default_model_dir, dtype="float32", num_kv_blocks=64, num_threads=2, max_model_len=1024)
+    assert engine.config.num_speculative_tokens == 4
+    params = {"a": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)}
+    _run(engine, params, {"a": prompts["a"]})
+    assert engine.scheduler.num_accepted_tokens > 0
+    drafted = engine.scheduler.num_draft_tokens
+    _run(engine, {"s": SamplingParams(max_tokens=30, temperature=1.0, seed=1, ignore_eos=True)}, {"s": prompts["a"]})
+    assert engine.scheduler.num_draft_tokens == drafted  # OpenAI's default, temperature 1: never drafts
 
 
 def test_prometheus_counts_drafts_and_what_was_kept_by_position(default_model_dir, prompts):
