@@ -223,8 +223,12 @@ def test_bf16_decode_rows_over_the_same_blocks_give_each_rows_own_bits(block_siz
     perm = torch.randperm(num_blocks, generator=g).tolist()
     a, b = perm[:width], perm[width:2 * width]
     shared = a[:2] + b[2:]  # the same first blocks as `a` (a prefix cache hit), then its own
+    # rows whose tables agree over the first two blocks, all the first row reads: the third row reads a third
+    # block, in which the first row's table differs, so the group must read the last row's table
+    edge = 2 * block_size
     rows = ([(a, 40 + i) for i in range(5)] + [(b, 7)] + [(b, 8 + i) for i in range(20)]  # a run past 16 rows
-            + [(shared, 28 + block_size), (a, 29 + block_size), (a, 31 + block_size), (a, 200), (b, 201)])
+            + [(shared, 28 + block_size), (a, 29 + block_size), (a, 31 + block_size), (a, 200), (b, 201)]
+            + [(shared, edge - 1), (a, edge), (a, edge + 1)])
     tables = torch.tensor([t for t, _ in rows])
     contexts = torch.tensor([c for _, c in rows])
     q = torch.randn(len(rows), heads, dim, generator=g).bfloat16()
