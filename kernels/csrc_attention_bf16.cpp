@@ -235,10 +235,10 @@ struct DecodeScratch {
 };
 
 // One request's queries: DC = head_dim / 32; `m` consecutive rows whose contexts are ctx, ctx + 1, ...
-// (a decode row and its drafts: `decode_groups`), all of them over `table` (the last row's), so they share every K and V
-// load. Row r's head h is "head" e = r * H + h below, and it sees the first ctx + r positions; each row's
-// numbers are those it gets alone, bit for bit (positions past its context get zero numerators, whose
-// products add zeros). Positions go in tiles of 16. Pass 1 scores a tile for
+// (a decode row and its drafts: `decode_groups`), all of them over `table` (the last row's), so they share
+// every K and V load. Row r's head h is "head" e = r * H + h below, and it sees the first ctx + r positions;
+// each row's numbers are those it gets alone, bit for bit (positions past its context get zero numerators,
+// whose products add zeros). Positions go in tiles of 16. Pass 1 scores a tile for
 // every query head (K rows from L1 after the first head of their KV head). Pass 2 interleaves a tile's V
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.

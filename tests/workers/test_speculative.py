@@ -161,18 +161,16 @@ def test_batches_larger_than_the_limit_do_not_speculate(default_model_dir, promp
 
 
 def _drafts_per_step(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]]) -> list[dict]:
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, None, params[rid], prompt_token_ids=prompt)
-    steps = []
-    while engine.has_unfinished_requests():
-        out = engine.scheduler.schedule
-        scheduled = out()
-        steps.append({r.request_id: len(r.spec_token_ids) for r in scheduled.requests})
-        engine.scheduler.schedule = lambda: scheduled
-        try:
-            engine.step()
-        finally:
-            engine.scheduler.schedule = out
+    """`_run`, recording how many drafts each scheduled request computes in each step."""
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        steps.append({r.request_id: len(r.spec_token_ids) for r in out.requests})
+        return out
+
+    engine.scheduler.schedule = recorded
+    _run(engine, params, prompts)
     return steps
 
 
