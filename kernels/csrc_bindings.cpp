@@ -25,7 +25,9 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale, bool onednn, bool amx);
+                                 double scale, bool onednn, bool amx, int64_t row_bucket);
+torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                            int64_t row_bucket);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
@@ -48,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx_linear", &has_amx_linear, "whether this CPU and OS run amx_linear_bf16 (AMX tiles, bfloat16)");
   m.def("amx_linear_bf16", &amx_linear_bf16, "x [M, K] @ W^T (+ bias) on AMX tiles, W packed by pack_vnni_bf16, bfloat16",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("linear_onednn", &linear_onednn,
+        "oneDNN's linear over a prepacked weight, the rows padded with zeros to a multiple of row_bucket",
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of bfloat16 rows",
         py::call_guard<py::gil_scoped_release>());
 }

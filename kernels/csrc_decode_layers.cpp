@@ -22,20 +22,32 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 constexpr int64_t kWeightsPerLayer = 7;  // qkv, qkv bias (empty: none), o_proj, post norm, gate_up, down, next norm
 
-// oneDNN's linear over a weight in its blocked layout (`mkldnn::_reorder_linear_weight`): the op that
-// `kernels.layer_ops.linear_packed` calls from Python, with the same arguments, so the same bits.
-static torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+// oneDNN's linear over a weight in its blocked layout (`mkldnn::_linear_pointwise`): the op that
+// `kernels.layer_ops.linear_packed` calls from Python, with the same arguments, so the same bits. oneDNN
+// compiles a primitive for every row count it meets (1-2 ms each for SmolLM2-135M's shapes), and a decode
+// step's row count is seldom the last one's: `row_bucket` > 1 pads the rows with zeros up to a multiple of
+// it, so steps share primitives, and returns the real rows (a view).
+torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                            int64_t row_bucket) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  TORCH_CHECK(row_bucket >= 1, "row_bucket must be at least 1");
+  const int64_t rows = x.size(0), padded = (rows + row_bucket - 1) / row_bucket * row_bucket;
+  torch::Tensor in = x;
+  if (padded != rows) {
+    in = torch::zeros({padded, x.size(1)}, x.options());
+    in.narrow(0, 0, rows).copy_(x);
+  }
   torch::jit::Stack stack;
   stack.reserve(6);
-  stack.emplace_back(x);
+  stack.emplace_back(in);
   stack.emplace_back(w);
   stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
   stack.emplace_back(std::string(""));
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  torch::Tensor out = stack[0].toTensor();
+  return padded != rows ? out.narrow(0, 0, rows) : out;
 }
 
 // x: [rows, hidden], the residual stream (updated in place); h: its input norm for the first layer. `weights`
@@ -43,12 +55,12 @@ static torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& 
 // last layer), the matrices plain or VNNI-packed, as `gemv_bf16` takes them, or (`onednn`) all in oneDNN's
 // blocked layout, for steps of more rows than the GEMV is the faster for; `amx`: the VNNI-packed matrices on
 // AMX tiles (`amx_linear_bf16`) instead of the GEMV, for steps between the two; `caches` the K and V cache of
-// each layer. Returns the last layer's output norm.
+// each layer; `row_bucket`: see `linear_onednn`. Returns the last layer's output norm.
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
                                  std::vector<torch::Tensor> caches, torch::Tensor cos_table, torch::Tensor sin_table,
                                  torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                                  torch::Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                                 double scale, bool onednn, bool amx) {
+                                 double scale, bool onednn, bool amx, int64_t row_bucket) {
   const int64_t layers = static_cast<int64_t>(caches.size()) / 2;
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kWeightsPerLayer && caches.size() % 2 == 0,
               "decode_layers_bf16 takes ", kWeightsPerLayer, " weights and 2 caches per layer");
@@ -59,9 +71,9 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
   slots = slots.to(torch::kInt64).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
-  const auto linear = [onednn, amx](const torch::Tensor& in, const torch::Tensor& weight,
-                                    const c10::optional<torch::Tensor>& b) {
-    if (onednn) return linear_onednn(in, weight, b);
+  const auto linear = [onednn, amx, row_bucket](const torch::Tensor& in, const torch::Tensor& weight,
+                                                const c10::optional<torch::Tensor>& b) {
+    if (onednn) return linear_onednn(in, weight, b, row_bucket);
     return amx && weight.dim() == 4 ? amx_linear_bf16(in, weight, b) : gemv_bf16(in, weight, b);
   };
   for (int64_t i = 0; i < layers; ++i) {

@@ -44,6 +44,11 @@ AMX_GEMV_MAX_ROWS = AMX_VNNI_MAX_ROWS = 8
 # against 3.9 ms at 64 rows. Whole decode steps at 12-24 rows took 16-19% less time, at 64 rows 2-3% less,
 # and more rows gained nothing (docs/benchmarks.md).
 AMX_TILE_MAX_ROWS = 64
+# oneDNN compiles a primitive for each row count it meets: 1-2 ms for each of SmolLM2-135M's five matrices, on
+# a step whose matmuls take 10-60 ms, and a decode step's row count is seldom the last one's (an offline burst
+# compiled 355 of them). Over prepacked copies, rows are padded with zeros up to a multiple of this, so steps
+# share primitives; the padding costs a few rows' arithmetic (docs/benchmarks.md).
+ONEDNN_ROW_BUCKET = 32
 
 
 def default_row_limits() -> tuple[int, int]:
@@ -139,6 +144,7 @@ class CppLayerOps(TorchLayerOps):
         self.gemv_max_rows, self.vnni_max_rows = gemv_max_rows, max(gemv_max_rows, vnni_max_rows)
         amx = self._gemv is not None and self._ext.has_amx_linear()
         self.amx_max_rows = (AMX_TILE_MAX_ROWS if amx_max_rows is None else amx_max_rows) if amx else 0
+        self.onednn_row_bucket = ONEDNN_ROW_BUCKET  # see `linear_packed`
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -169,8 +175,9 @@ class CppLayerOps(TorchLayerOps):
             if tuple(w.shape) in checked:
                 continue
             checked.add(tuple(w.shape))
-            x = torch.randn(self.vnni_max_rows + 3, w.shape[1], generator=g).to(w.dtype)
-            if not torch.equal(linear_packed(x, p, None), F.linear(x, w)):
+            rows = -(-(self.vnni_max_rows + 3) // self.onednn_row_bucket) * self.onednn_row_bucket  # as padded
+            x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+            if not torch.equal(linear_packed(x, p, None, self.onednn_row_bucket), F.linear(x, w)):
                 warnings.warn(f"oneDNN's packed weights gave other bits than F.linear for {tuple(w.shape)}; "
                               "not prepacking", stacklevel=2)
                 return 0
@@ -244,14 +251,15 @@ class CppLayerOps(TorchLayerOps):
         caches = [c for kv in kv_caches for c in kv]
         return self._ext.decode_layers_bf16(x, h, weights, caches, *rope, meta.slot_mapping, dec.block_tables,
                                             dec.context_lens, stack.num_heads, stack.num_kv_heads, stack.eps,
-                                            stack.head_dim ** -0.5, onednn, amx)
+                                            stack.head_dim ** -0.5, onednn, amx, self.onednn_row_bucket)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a
         CPU with AVX512-BF16): float32 sums, one rounding per output, as oneDNN's, but summed in another
         order, so a rare output is one bfloat16 step apart. With `prepack`'s copies: the GEMV over the VNNI copy up to
         `vnni_max_rows` rows, the AMX kernel over it up to `amx_max_rows` (where its columns are a multiple of
-        32), oneDNN over the blocked one above. `F.linear` for anything else (decided in C++)."""
+        32), oneDNN over the blocked one above, its rows padded to a multiple of `onednn_row_bucket`. `F.linear`
+        for anything else (decided in C++)."""
         if self._packed and x.dim() == 2 and x.dtype == weight.dtype:
             rows = x.shape[0]
             entry = self._vnni.get(id(weight)) if rows <= max(self.vnni_max_rows, self.amx_max_rows) else None
@@ -263,7 +271,7 @@ class CppLayerOps(TorchLayerOps):
                     return self._ext.amx_linear_bf16(x, entry[1], bias)
             entry = self._packed.get(id(weight)) if rows > self.gemv_max_rows else None
             if entry is not None and entry[0] is weight:
-                return linear_packed(x, entry[1], bias)
+                return linear_packed(x, entry[1], bias, self.onednn_row_bucket)
         return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows)
 
     def rms_norm(self, x, weight, eps):
@@ -293,9 +301,19 @@ def packable(w: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` over a weight packed by `torch.ops.mkldnn._reorder_linear_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, row_bucket: int = 1) -> torch.Tensor:
+    """`F.linear` over a weight packed by `torch.ops.mkldnn._reorder_linear_weight`. `row_bucket` > 1 pads the
+    rows with zeros up to a multiple of it and returns the real ones (a view), as the compiled decode stack's
+    `linear_onednn` does, with the same bits."""
+    if row_bucket < 1:
+        raise ValueError(f"row_bucket must be at least 1, got {row_bucket}")
+    rows = x.shape[0]
+    padded = -(-rows // row_bucket) * row_bucket
+    if padded == rows:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    xp = x.new_zeros(padded, x.shape[1])
+    xp[:rows] = x
+    return torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")[:rows]
 
 
 def get_layer_ops(name: str = "auto") -> TorchLayerOps:

@@ -129,7 +129,8 @@ def test_selection():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear(bias):
-    """Past the GEMV's rows a prepacked weight's linear is `F.linear`'s, bit for bit; up to them the GEMV
+    """Past the GEMV's rows a prepacked weight's linear is `F.linear`'s, bit for bit (at these shapes also
+    with its rows padded, `test_onednn_rows_are_padded_to_a_bucket`); up to them the GEMV
     reads the VNNI copy where the weight's rows are a multiple of 16, else the plain weight; weights that
     were not packed take the old path."""
     ops = CppLayerOps(gemv_max_rows=8, vnni_max_rows=8)
@@ -153,6 +154,35 @@ def test_prepacked_linear(bias):
         assert torch.equal(ops.linear(x, w, b), ops._gemv(x, vnni, b))
         assert torch.equal(ops.linear(x, odd), plain.linear(x, odd))
     assert ops.prepack([]) == 0 and CppLayerOps().prepack([torch.randn(8, 8)]) == 0
+
+
+def test_onednn_rows_are_padded_to_a_bucket(monkeypatch):
+    """oneDNN compiles a primitive for each row count it meets, so over a prepacked copy the rows go in padded
+    with zeros to a multiple of `onednn_row_bucket`, and the caller gets its own rows of that call's output;
+    the compiled decode stack's `linear_onednn` pads the same way, to the same bits."""
+    from kernels.layer_ops import linear_packed
+
+    ops = CppLayerOps(gemv_max_rows=8, vnni_max_rows=8, amx_max_rows=0)
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(192, 576, generator=gen).to(torch.bfloat16)
+    b = torch.randn(192, generator=gen).to(torch.bfloat16)
+    ops.prepack([w])
+    packed = ops._packed[id(w)][1]
+    real, calls = torch.ops.mkldnn._linear_pointwise, []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows, padded in ((9, 32), (32, 32), (40, 64), (513, 544)):
+        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+        calls.clear()
+        y = ops.linear(x, w, b)
+        assert calls == [padded] and y.shape == (rows, 192) and y.is_contiguous()
+        full = torch.cat([x, torch.zeros(padded - rows, 576, dtype=x.dtype)])
+        assert torch.equal(y, real(full, packed, b, "none", [], "")[:rows])
+        assert torch.equal(ops._ext.linear_onednn(x, packed, b, ops.onednn_row_bucket), y)
+        assert torch.equal(linear_packed(x, packed, b), real(x, packed, b, "none", [], ""))  # bucket 1: as called
+    with pytest.raises(ValueError, match="row_bucket"):
+        linear_packed(x, packed, b, 0)
+    with pytest.raises(RuntimeError, match="row_bucket"):
+        ops._ext.linear_onednn(x, packed, b, 0)
 
 
 def test_prepacked_copies_are_used():
