@@ -28,6 +28,12 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<t
                                  double scale, bool onednn, bool amx, int64_t row_bucket);
 torch::Tensor linear_onednn(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                             int64_t row_bucket);
+std::vector<torch::Tensor> mixed_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
+                                             std::vector<torch::Tensor> caches, torch::Tensor cos_table,
+                                             torch::Tensor sin_table, torch::Tensor positions, torch::Tensor slots,
+                                             std::vector<torch::Tensor> attn, int64_t flash_len, int64_t flash_start,
+                                             int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                                             bool onednn, bool amx, int64_t row_bucket);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged attention for single-token queries");
@@ -54,5 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "oneDNN's linear over a prepacked weight, the rows padded with zeros to a multiple of row_bucket",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_layers_bf16", &decode_layers_bf16, "every decoder layer of a decode-only step of bfloat16 rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("mixed_layers_bf16", &mixed_layers_bf16,
+        "every decoder layer of a step with prefill chunks, bfloat16, up to the last layer's attention",
         py::call_guard<py::gil_scoped_release>());
 }

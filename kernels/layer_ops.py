@@ -82,6 +82,15 @@ class TorchLayerOps:
         one."""
         return None
 
+    def mixed_layers(self, x: torch.Tensor, h: torch.Tensor, stack: DecodeStack,
+                     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                     meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step with prefill chunks through every layer up to the last layer's attention in one compiled
+        call, where these ops have one: returns the residual stream and that attention's output, for the
+        caller to finish the last layer on the rows that sample. None: run the layers one by one."""
+        return None
+
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ weight.T + bias`, as `F.linear`."""
@@ -229,29 +238,66 @@ class CppLayerOps(TorchLayerOps):
             return 0
         return self.amx_max_rows
 
+    def _stack_step(self, x, stack, attn, meta) -> tuple[list[torch.Tensor], bool, bool] | None:
+        """How a compiled stack runs a step of `x`'s bfloat16 rows through the compiled attention: its weights,
+        whether on oneDNN's copies, whether on the AMX kernel. Up to `decode_max_rows` rows on the GEMV; past
+        them on the AMX kernel up to `decode_amx_rows`, then on oneDNN's copies, if `prepack` made them for
+        every matrix. None: the layer loop."""
+        from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
+
+        if (self._gemv is None or not isinstance(attn, CppPagedAttention)
+                or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)):
+            return None
+        rows = x.shape[0]
+        amx = self.decode_max_rows < rows <= self.decode_amx_rows(stack)
+        onednn = rows > self.decode_max_rows and not amx
+        weights = self._stack_weights(stack, onednn)
+        return None if weights is None else (weights, onednn, amx)
+
     def decode_layers(self, x, h, stack, kv_caches, rope, attn, meta):
         """A decode-only step of bfloat16 rows through the compiled attention: the same kernels in the same
         order as the layer loop (so the same numbers), with the Python between them run once per step
         instead of once per op, and without the GIL (`kernels/csrc_decode_layers.cpp`). Up to
         `decode_max_rows` rows on the GEMV; past them on the AMX kernel up to `decode_amx_rows`, then on
         oneDNN's copies, if `prepack` made them for every matrix (else None: the layer loop)."""
-        from kernels.cpp_attention import CppAttentionMetadata, CppPagedAttention
-
-        if (self._gemv is None or not isinstance(attn, CppPagedAttention)
-                or not attn.takes_bf16(x.dtype, stack.head_dim) or not isinstance(meta, CppAttentionMetadata)
-                or meta.chunks is not None or meta.decodes is None):
+        step = self._stack_step(x, stack, attn, meta)
+        if step is None or meta.chunks is not None or meta.decodes is None:
             return None
-        rows = x.shape[0]
-        amx = self.decode_max_rows < rows <= self.decode_amx_rows(stack)
-        onednn = rows > self.decode_max_rows and not amx
-        weights = self._stack_weights(stack, onednn)
-        if weights is None:
-            return None
+        weights, onednn, amx = step
         dec = meta.decodes
         caches = [c for kv in kv_caches for c in kv]
         return self._ext.decode_layers_bf16(x, h, weights, caches, *rope, meta.slot_mapping, dec.block_tables,
                                             dec.context_lens, stack.num_heads, stack.num_kv_heads, stack.eps,
                                             stack.head_dim ** -0.5, onednn, amx, self.onednn_row_bucket)
+
+    def mixed_layers(self, x, h, stack, kv_caches, rope, attn, meta):
+        """A step with prefill chunks (and any decodes beside them) of bfloat16 rows through the compiled
+        attention, up to the last layer's attention output, in one call without the GIL: the same kernels in
+        the same order as the layer loop, so the same numbers (`mixed_layers_bf16` in
+        `kernels/csrc_decode_layers.cpp`). The linear layers as `decode_layers` picks them for the step's rows.
+        Returns the residual stream and the last layer's attention output, or None for the layer loop: chunks
+        on the masked path, or no copies for oneDNN where the rows need them."""
+        step = self._stack_step(x, stack, attn, meta)
+        if step is None or meta.chunks is None or meta.chunk_path == "masked":
+            return None
+        weights, onednn, amx = step
+        none = x.new_empty(0, dtype=torch.int64)
+        dec = meta.decodes
+        decodes = [dec.tokens, dec.block_tables, dec.context_lens] if dec is not None else [none] * 3
+        kc = {"kernel": meta.chunks, "split": meta.kernel_chunks}.get(meta.chunk_path)
+        kernel = [kc.block_tables, kc.starts, kc.query_lens, kc.context_lens] if kc is not None else [none] * 4
+        flash_len, flash_start, flash = 0, -1, [none, none]
+        if meta.chunk_path in ("flash", "split"):
+            fc = meta.flash_chunks
+            flash_len = fc.max_query_len
+            if isinstance(meta.flash_rows, slice):
+                flash_start, flash = meta.flash_rows.start, [fc.block_tables, none]
+            else:
+                flash = [fc.block_tables, meta.flash_rows]
+        caches = [c for kv in kv_caches for c in kv]
+        return self._ext.mixed_layers_bf16(x, h, weights, caches, *rope, meta.slot_mapping, decodes + kernel + flash,
+                                           flash_len, flash_start, stack.num_heads, stack.num_kv_heads, stack.eps,
+                                           stack.head_dim ** -0.5, onednn, amx, self.onednn_row_bucket)
 
     def linear(self, x, weight, bias=None):
         """The compiled GEMV (row-major) for up to `gemv_max_rows` rows of bfloat16 (contiguous rows, on a

@@ -122,5 +122,44 @@ def test_decode_steps_between_the_gemv_and_onednn_run_the_stack_on_the_amx_kerne
     assert run() == stacked
 
 
+@needs_compiled_kernels
+@pytest.mark.skipif(not _bf16_kernels(), reason="the compiled decoder stack needs AVX512-BF16")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a qkv bias
+def test_steps_with_prompt_chunks_match_the_layer_loop(kind, tmp_path, default_model_dir, monkeypatch):
+    """A step with prefill chunks runs every layer up to the last one's attention in one compiled call
+    (`mixed_layers`), and the loop's last layer finishes the rows that sample: the same tokens and logprobs as
+    the loop. The steps mix whole prompts of one length (torch's flash attention on CPUs with AMX), prompts
+    the token budget cut (the chunk kernel) and decodes; with few rows the matrices run on the GEMV, with
+    more on the AMX kernel or oneDNN's copies, as in decode steps."""
+    from kernels.cpu_extension import has_amx_bf16
+
+    model = write_tiny_model(tmp_path / kind, default_model_dir, model_type=kind, tie_word_embeddings=kind == "llama")
+    monkeypatch.setattr(layer_ops, "default_row_limits", lambda: (4, 8))
+    gen = torch.Generator().manual_seed(5)
+    lengths = [70] * 6 + torch.randint(1, 40, (10,), generator=gen).tolist() + [150, 3]
+    prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in lengths]
+    real, taken = layer_ops.CppLayerOps.mixed_layers, []
+
+    def counted(self, x, h, stack, kv_caches, rope, attn, meta):
+        out = real(self, x, h, stack, kv_caches, rope, attn, meta)
+        taken.append((x.shape[0], out is not None, meta.chunk_path))
+        return out
+
+    def run() -> dict:
+        engine = Engine(model=model, dtype="bfloat16", num_kv_blocks=256, num_threads=2, attention_backend="cpp",
+                        prepack_weights=True, max_num_batched_tokens=200, num_speculative_tokens=0)
+        return greedy_outputs(engine, prompts, 15)
+
+    monkeypatch.setattr(layer_ops.CppLayerOps, "mixed_layers", counted)
+    stacked = run()
+    assert all(took for _, took, _ in taken) and len(taken) >= 3, taken
+    paths = {path for _, _, path in taken}
+    assert paths >= ({"split", "kernel"} if has_amx_bf16() else {"kernel"}), taken
+    assert any(rows > 8 for rows, _, _ in taken), taken
+    monkeypatch.setattr(layer_ops.CppLayerOps, "mixed_layers", lambda self, *args: None)
+    assert run() == stacked
+
+
 def test_torch_ops_have_no_compiled_stack():
     assert layer_ops.TorchLayerOps().decode_layers(None, None, None, None, None, None, None) is None
+    assert layer_ops.TorchLayerOps().mixed_layers(None, None, None, None, None, None, None) is None

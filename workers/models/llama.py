@@ -116,6 +116,12 @@ class DecoderLayer(nn.Module):
         v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
         attn.write_kv(k_cache, v_cache, k, v, meta)
         o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
+        return self.finish(x, o, ops, rows)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor, ops: TorchLayerOps,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention output `o`: o_proj with the residual add and norm, then the MLP, on
+        `rows` only when given."""
         if rows is not None:
             x, o = x[rows], o[rows]
         x, h = ops.add_rms_norm(x, self.tp.all_reduce(ops.linear(o, self.o_proj)), self.post_norm, self.eps)
@@ -155,11 +161,16 @@ class LlamaForCausalLM(nn.Module):
         rope = (self.cos_table, self.sin_table, positions)
         x = self._embed(input_ids)
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
-        fused = None
+        fused = mixed = None
         if self.tp.size == 1 and logits_indices.numel() == x.shape[0]:  # every row samples: a decode step
             fused = ops.decode_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
+        if self.tp.size == 1 and fused is None:  # prefill chunks: all but the last layer's rows that sample
+            mixed = ops.mixed_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
         if fused is not None:
             h = fused
+        elif mixed is not None:
+            x, m = self.layers[last].finish(*mixed, ops, logits_indices)
+            x, h = ops.add_rms_norm(x, m, self.norm, eps)
         else:
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
