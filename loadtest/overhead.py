@@ -85,24 +85,43 @@ def engine_side(requests: Sequence[BenchRequest], engine_options: dict) -> dict:
 
 
 class LocalCluster:
-    """A private local Ray cluster with Serve on a free port; `deploy` runs `kvrelay serve`'s app."""
+    """A private local Ray cluster with Serve on a free port; `deploy` runs `kvrelay serve`'s app. With
+    `direct_ingress`, as `kvrelay serve` runs by default: the app's ingress replica answers HTTP on that port
+    itself (Serve's direct ingress; `serving/direct_ingress.py`) and Serve's proxy sits on a spare one, so
+    one app at a time, each with the engine in its one replica."""
+
+    def __init__(self, direct_ingress: bool = False) -> None:
+        self.direct_ingress = direct_ingress
 
     def __enter__(self) -> LocalCluster:
+        import socket
+
+        from serving import direct_ingress
         from serving.ray_cluster import free_port, init_ray
 
         os.environ.pop("RAY_ADDRESS", None)
+        with socket.socket() as held:  # the app's port, held while the proxy's is picked, so they differ
+            held.bind(("127.0.0.1", 0))
+            port, proxy_port = held.getsockname()[1], free_port()
+        direct = self.direct_ingress and direct_ingress.can_bind_reusing_address()
+        self._env = direct_ingress.env(port) if direct else {}
+        self._saved_env = {k: os.environ.get(k) for k in self._env}
+        os.environ.update(self._env)  # read by Serve's processes as Ray starts them
         self.temp_dir = init_ray()
         from ray import serve
 
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port if direct else port})
         self.base_url = f"http://127.0.0.1:{port}"
         return self
 
     def deploy(self, name: str, options: dict) -> str:
+        from serving.app_config import parse_app_args
         from serving.ray_cluster import deploy_app
 
-        return deploy_app(name, {**options, "served_model_name": MODEL_NAME}, self.base_url)
+        options = {**options, "served_model_name": MODEL_NAME}
+        if self._env and not parse_app_args(options).engine_runs_in_ingress:
+            raise ValueError("a direct-ingress cluster serves apps with the engine in the ingress's one replica")
+        return deploy_app(name, options, self.base_url)
 
     def delete(self, name: str) -> None:
         from ray import serve
@@ -116,6 +135,11 @@ class LocalCluster:
 
         serve.shutdown()
         stop_ray(self.temp_dir)
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def server_results(url: str, model: str, requests: Sequence[BenchRequest], stream: bool,
@@ -145,7 +169,7 @@ def run_overhead(args: argparse.Namespace, tokenizer: Any) -> int:
     for name, requests in workloads.items():
         print(f"engine in-process: {name}", file=sys.stderr)
         rows.append({"system": "engine", "workload": name, "stream": None, **engine_side(requests, engine_options)})
-    with LocalCluster() as cluster:
+    with LocalCluster(direct_ingress=True) as cluster:  # as `kvrelay serve` runs by default
         for name, requests in workloads.items():
             for stream in ((False, True) if name == "burst" else (True,)):
                 print(f"kvrelay serve: {name} stream={stream}", file=sys.stderr)

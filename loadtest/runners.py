@@ -110,11 +110,12 @@ class Systems:
         return self.hf_model
 
     def deploy(self, options: dict[str, Any]) -> tuple[str, str]:
-        """A fresh `kvrelay serve` app on the private cluster: (url, app name)."""
+        """A fresh `kvrelay serve` app on the private cluster, with `kvrelay serve`'s default direct ingress:
+        (url, app name)."""
         from loadtest.overhead import LocalCluster
 
         if self.cluster is None:
-            self.cluster = LocalCluster().__enter__()
+            self.cluster = LocalCluster(direct_ingress=True).__enter__()
         self.apps += 1
         name = f"bench{self.apps}"
         return self.cluster.deploy(name, options), name

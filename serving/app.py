@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from router.registry import replica_ids
+from serving import direct_ingress
 from serving.app_config import AppConfig, parse_app_args
 from serving.chat import ChatInputError, ChatTemplateOptions, chat_prompt_ids
 from serving.disaggregated import DisaggregatedClient
@@ -54,6 +55,8 @@ class OpenAIIngress:
     """`worker` None: the engine runs in this replica (`AppConfig.engine_in_ingress`)."""
 
     def __init__(self, worker: DeploymentHandle | None, config: dict, prefill: DeploymentHandle | None = None) -> None:
+        if direct_ingress.enabled():  # before Serve starts this replica's own HTTP server, which follows __init__
+            direct_ingress.bind_reusing_address()
         self.config = AppConfig(**config)
         self.model_path = resolve_model_path(self.config.engine.model)
         self.model_names = self.config.served_model_name or [_default_model_name(self.model_path)]

@@ -107,20 +107,26 @@ def app_config_from_args(args: argparse.Namespace) -> AppConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     config = app_config_from_args(args)  # fails fast, before Ray starts
-    from serving.ray_cluster import (check_port_free, direct_ingress_env, free_port, init_ray, stop_ray,
-                                     wait_until_healthy)
+    from serving import direct_ingress
+    from serving.ray_cluster import check_port_free, free_port, init_ray, stop_ray, wait_until_healthy
 
     local = not os.environ.get("RAY_ADDRESS")
-    if local:  # (the running Serve of a cluster that we join may well hold the port already)
-        check_port_free(args.host, args.port, reuse_addr=not args.direct_ingress)
-    if args.direct_ingress:
+    direct = args.direct_ingress
+    if direct:
         if not local:
             raise ValueError("--direct-ingress starts its own local Ray cluster (its settings are read when Ray "
                              "starts), so it cannot join the cluster at RAY_ADDRESS")
         if not config.engine_runs_in_ingress:
             raise ValueError("--direct-ingress needs the engine in the ingress's one replica (engine_in_ingress), "
                              "but it runs in replicas of its own here")
-        os.environ.update(direct_ingress_env(args.port))
+    elif direct is None:  # the default: wherever it can, and where its replica's port is bound as the proxy's is
+        direct = local and config.engine_runs_in_ingress and direct_ingress.can_bind_reusing_address()
+    if local:  # (the running Serve of a cluster that we join may well hold the port already)
+        check_port_free(args.host, args.port, reuse_addr=not direct or direct_ingress.can_bind_reusing_address())
+    if direct:
+        os.environ.update(direct_ingress.env(args.port))
+    print(f"HTTP on port {args.port}: " + ("the engine's replica (direct ingress; --no-direct-ingress puts Serve's "
+          "proxy there)" if direct else "Serve's proxy"), file=sys.stderr, flush=True)
     temp_dir = init_ray()
     if temp_dir is not None:
         print(f"Ray temp dir: {temp_dir} (removed on exit; KVRELAY_KEEP_RAY_TEMP=1 keeps it)", file=sys.stderr, flush=True)
@@ -133,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         # With --direct-ingress the replica listens on --port itself and Serve's proxy, which Serve needs for the
         # replica's HTTP server to start, listens on a spare port that nobody is told of.
-        proxy_port = free_port() if args.direct_ingress else args.port
+        proxy_port = free_port() if direct else args.port
         serve.start(http_options={"host": args.host, "port": proxy_port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         wait_until_healthy(url)
@@ -201,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_options(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
-    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=False,
-                     help="the engine's replica serves HTTP on --port itself (Ray Serve's direct ingress, "
-                     "experimental in Ray 2.60), so a token reaches the client without passing through Serve's "
-                     "proxy process; needs a local cluster and one replica running the engine")
+    srv.add_argument("--direct-ingress", action=argparse.BooleanOptionalAction, default=None,
+                     help="the engine's replica serves HTTP on --port itself (Ray Serve's direct ingress), so a "
+                     "token reaches the client without passing through Serve's proxy process; needs a local "
+                     "cluster and one replica running the engine (default: on where those hold, else Serve's "
+                     "proxy serves --port)")
     add_app_options(srv)
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)

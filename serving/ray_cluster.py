@@ -75,33 +75,19 @@ def wait_until_healthy(url: str, timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"{url} did not become healthy within {timeout_s:.0f} s (last: {last})")
 
 
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve settings under which an ingress replica serves HTTP on `port` itself (Serve's direct
-    ingress) rather than behind Serve's proxy: the replica's port range is that one port; a port freed by a
-    stopped replica is not held back for a load balancer (a replacement replica takes it at once); a replica
-    that stops does not keep its port open for a load balancer to notice (`kvrelay serve` drains requests
-    itself). Read by Serve's processes when they start, so set in the environment before Ray starts."""
-    return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # the range's end is not in it
-        "RAY_SERVE_PORT_QUARANTINE_S": "0",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
-    }
-
-
 def check_port_free(host: str, port: int, reuse_addr: bool = True) -> None:
     """A clear error before Ray starts when `host:port` cannot be bound (Serve's HTTP server would fail later,
-    in one of its actors, and less plainly). `reuse_addr` binds as Serve's proxy does (SO_REUSEADDR: a
-    recently closed connection's TIME_WAIT does not count); without it, as a direct-ingress replica does."""
+    in one of its actors, and less plainly). `reuse_addr` binds as Serve's proxy and kvrelay's direct-ingress
+    replica do (SO_REUSEADDR: a recently closed connection's TIME_WAIT does not count); without it, as Ray
+    2.60's own direct-ingress replica does (`serving/direct_ingress.py`)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         if reuse_addr:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            hint = ("" if reuse_addr else " (with --direct-ingress, connections closed within the last minute "
-                    "also hold the port: wait, or use another port)")
+            hint = ("" if reuse_addr else " (with direct ingress on this Ray, connections closed within the last "
+                    "minute also hold the port: wait, or use another port)")
             raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}{hint}") from None
 
 

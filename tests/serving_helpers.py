@@ -1,10 +1,12 @@
-"""Helpers of the server tests: raw HTTP calls and parsed `/metrics`."""
+"""Helpers of the server tests: raw HTTP calls, parsed `/metrics`, and who listens on a port."""
 
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 
 API_KEY = "test-key"
@@ -52,3 +54,22 @@ def metric_sum(samples: dict, name: str, **labels) -> float:
     """Sum of a sample over replicas (and any labels not given)."""
     return sum(v for (n, lbls), v in samples.items()
                if n == name and all(dict(lbls).get(k) == val for k, val in labels.items()))
+
+
+def listener(port: int) -> tuple[int, str]:
+    """The pid and command line of the process that listens on 127.0.0.1:`port` (TCP)."""
+    inodes = {f"socket:[{inode}]" for state, inode in sockets_on(port) if state == "0A"}  # LISTEN
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                return int(fd_dir.parent.name), (fd_dir.parent / "cmdline").read_text().replace("\0", " ")
+        except OSError:  # a process that ended, or one of another user
+            continue
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def sockets_on(port: int) -> list[tuple[str, str]]:
+    """(state, inode) of the TCP sockets whose local address is 127.0.0.1:`port` (`/proc/net/tcp`'s hex
+    states: 0A LISTEN, 06 TIME_WAIT)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return [(f[3], f[9]) for f in rows if f[1] == f"0100007F:{port:04X}"]

@@ -5,7 +5,10 @@ the cluster's temp dir)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
+import http.client as http_client
 import json
 import os
 import selectors
@@ -22,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serving_helpers import http
+from serving_helpers import http, listener, sockets_on
 
+from serving import direct_ingress
 from serving.app_config import AppConfig
 from serving.cli import (add_app_options, add_engine_options, app_config_from_args, engine_config_from_args,
                          flag_options, main)
@@ -117,8 +121,9 @@ def test_serve_refuses_a_port_in_use_before_starting_ray(capsys):
     assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
 
 
-def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica():
-    with socket.socket() as listener:  # a server that closes an accepted connection first: TIME_WAIT on its port
+def _port_in_time_wait() -> int:
+    """A port that nothing listens on, held by a connection in TIME_WAIT (its server closed it first)."""
+    with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own listener (the proxy's)
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -127,9 +132,56 @@ def test_a_port_held_by_a_closed_connection_stops_only_a_direct_ingress_replica(
             conn, _ = listener.accept()
             conn.close()
             client.recv(1)  # the server's FIN
+    return port
+
+
+def test_a_port_held_by_a_closed_connection_is_free_for_the_proxy_only():
+    port = _port_in_time_wait()
     check_port_free("127.0.0.1", port)  # Serve's proxy binds with SO_REUSEADDR
     with pytest.raises(ValueError, match="connections closed within the last minute"):
         check_port_free("127.0.0.1", port, reuse_addr=False)
+
+
+def test_a_direct_ingress_replica_binds_its_port_reusing_the_address(monkeypatch):
+    """Serve's own replica code, as Ray 2.60 has it, refuses a port held by a closed connection; after
+    `bind_reusing_address` it binds it (SO_REUSEADDR, not SO_REUSEPORT), serves on it, and still refuses a
+    port that another socket listens on."""
+    from fastapi import FastAPI
+    from ray.serve._private import http_util, replica
+    from ray.serve.config import HTTPOptions
+
+    monkeypatch.setattr(replica, "start_asgi_http_server", replica.start_asgi_http_server)  # undone after the test
+    monkeypatch.setattr(http_util, "set_socket_reuse_port", http_util.set_socket_reuse_port)
+    app = FastAPI()
+    app.get("/ping")(lambda: {"pong": True})
+
+    async def serve_once(port: int) -> dict:
+        loop = asyncio.get_running_loop()
+        task, server = await replica.start_asgi_http_server(app, HTTPOptions(host="127.0.0.1", port=port),
+                                                            event_loop=loop, enable_so_reuseport=False)
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            sock = server.servers[0].sockets[0]
+            body = await asyncio.to_thread(http, "GET", f"http://127.0.0.1:{port}/ping", timeout=10)
+            return {"reuse_addr": bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)),
+                    "reuse_port": bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)), "body": body}
+        finally:
+            server.should_exit = True
+            await task
+
+    port = _port_in_time_wait()
+    with pytest.raises(RuntimeError, match="Failed to bind"):  # Ray's replica, unchanged
+        asyncio.run(serve_once(port))
+    assert direct_ingress.can_bind_reusing_address()
+    assert direct_ingress.bind_reusing_address() and direct_ingress.bind_reusing_address()  # idempotent
+    assert asyncio.run(serve_once(port)) == {"reuse_addr": True, "reuse_port": False, "body": (200, {"pong": True})}
+    with socket.socket() as other:  # a live listener still holds the port
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(RuntimeError, match="Failed to bind"):
+            asyncio.run(serve_once(other.getsockname()[1]))
 
 
 def test_a_local_cluster_runs_serves_control_loop_less_often_unless_told(monkeypatch):
@@ -209,30 +261,14 @@ def _stream_events(url: str, body: dict, started: threading.Event) -> list[dict]
     raise AssertionError(f"the stream was cut without [DONE] after {len(events)} events")
 
 
-def _listener(port: int) -> str:
-    """The command line of the process that listens on 127.0.0.1:`port` (TCP)."""
-    inodes = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, state, inode = fields[1], fields[3], fields[9]
-        if local == f"0100007F:{port:04X}" and state == "0A":  # LISTEN
-            inodes.add(f"socket:[{inode}]")
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
-                return (fd_dir.parent / "cmdline").read_text().replace("\0", " ")
-        except OSError:  # a process that ended, or one of another user
-            continue
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
-
-
-@pytest.mark.parametrize("direct_ingress", [False, True], ids=["proxy", "direct-ingress"])
-def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingress):
-    port = free_port()
+@contextlib.contextmanager
+def _kvrelay_serve(port: int, *flags: str):
+    """`kvrelay serve` on `port` in a subprocess, as a user starts it, until its ready line: (process, output
+    lines so far). Killed on the way out if still running."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever the console script was installed from
     proc = subprocess.Popen([str(KVRELAY), "serve", "--port", str(port), "--kv-cache-memory", "256MiB",
-                             "--max-num-seqs", "8"] + (["--direct-ingress"] if direct_ingress else []),
+                             "--max-num-seqs", "8", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
     try:
         sel = selectors.DefaultSelector()
@@ -242,12 +278,24 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
             assert time.monotonic() < deadline and proc.poll() is None, "kvrelay serve did not become ready"
             if sel.select(timeout=1):
                 lines.append(proc.stdout.readline())
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("direct_ingress", [False, True], ids=["proxy", "direct-ingress"])
+def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingress):
+    port = free_port()
+    # Direct ingress is the default here (a local cluster, the engine in the ingress's one replica).
+    with _kvrelay_serve(port, *([] if direct_ingress else ["--no-direct-ingress"])) as (proc, lines):
         temp_dir = Path(next(line.split()[3] for line in lines if line.startswith("Ray temp dir:")))
         assert temp_dir.is_dir()
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in lines[-1]
-        # Behind Serve's proxy, or the engine's replica itself with --direct-ingress.
-        assert ("ServeReplica" if direct_ingress else "ProxyActor") in _listener(port)
+        # Behind Serve's proxy, or the engine's replica itself with direct ingress.
+        assert ("ServeReplica" if direct_ingress else "ProxyActor") in listener(port)[1]
         status, body = http("POST", f"{url}/v1/completions",
                             {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
@@ -265,7 +313,38 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
         with pytest.raises(OSError):  # nothing listens any more
             http("GET", f"{url}/health", timeout=5)
         assert not temp_dir.exists()  # the Ray session's files are gone
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+def test_a_direct_ingress_replica_killed_mid_stream_is_replaced_on_its_port_within_seconds():
+    """The dead replica's connections sit in TIME_WAIT for a minute; its replacement binds the port anyway
+    (`serving/direct_ingress.py`), as soon as Serve has started it, and serves."""
+    port = free_port()
+    with _kvrelay_serve(port) as (proc, _):
+        url = f"http://127.0.0.1:{port}"
+        pid, cmdline = listener(port)
+        assert "ServeReplica" in cmdline
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once",
+                                                       "max_tokens": 4000, "ignore_eos": True}, started)
+            assert started.wait(120)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises((AssertionError, OSError, http_client.HTTPException)):  # cut, without [DONE]
+                stream.result(timeout=60)
+        assert any(state == "06" for state, _ in sockets_on(port))  # TIME_WAIT: what held Ray's own replica off
+        while True:
+            try:
+                if http("GET", f"{url}/health", timeout=5)[0] == 200:
+                    break
+            except OSError:  # refused while no replica listens
+                pass
+            assert time.monotonic() - killed < 45, "the port did not serve again within 45 s of the kill"
+            time.sleep(0.25)
+        assert listener(port)[0] != pid
+        status, body = http("POST", f"{url}/v1/completions",
+                            {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, output[-2000:]
