@@ -119,10 +119,11 @@ def _serve(args: argparse.Namespace) -> int:
         if not config.engine_runs_in_ingress:
             raise ValueError("--direct-ingress needs the engine in the ingress's one replica (engine_in_ingress), "
                              "but it runs in replicas of its own here")
-    elif direct is None:  # the default: wherever it can, and where its replica's port is bound as the proxy's is
-        direct = local and config.engine_runs_in_ingress and direct_ingress.can_bind_reusing_address()
+    reusable = direct_ingress.can_bind_reusing_address()  # the replica's port bound as the proxy's is
+    if direct is None:  # the default: wherever it can, and where the port is bound that way
+        direct = local and config.engine_runs_in_ingress and reusable
     if local:  # (the running Serve of a cluster that we join may well hold the port already)
-        check_port_free(args.host, args.port, reuse_addr=not direct or direct_ingress.can_bind_reusing_address())
+        check_port_free(args.host, args.port, reuse_addr=not direct or reusable)
     if direct:
         os.environ.update(direct_ingress.env(args.port))
     print(f"HTTP on port {args.port}: " + ("the engine's replica (direct ingress; --no-direct-ingress puts Serve's "
@@ -137,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
     signals = _StopSignals().install()
     url = f"http://{args.host}:{args.port}"
     try:
-        # With --direct-ingress the replica listens on --port itself and Serve's proxy, which Serve needs for the
+        # With direct ingress the replica listens on --port itself and Serve's proxy, which Serve needs for the
         # replica's HTTP server to start, listens on a spare port that nobody is told of.
         proxy_port = free_port() if direct else args.port
         serve.start(http_options={"host": args.host, "port": proxy_port})
