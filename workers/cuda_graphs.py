@@ -81,6 +81,8 @@ class DecodeGraphs:
         self.device = device
         self._host = _Buffers.make(max_batch, max_blocks, torch.device("cpu"), pin=device.type == "cuda")
         self._dev = _Buffers.make(max_batch, max_blocks, device, pin=False)
+        # every row samples: the logits rows of a step of `size` are rows[:size]
+        self.rows = torch.arange(max_batch, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         d = self._dev
@@ -88,10 +90,12 @@ class DecodeGraphs:
             self._pad(0, size)
             d.flat.copy_(self._host.flat)
             meta = meta_for(d.slot_mapping[:size], d.block_tables[:size], d.seq_lens[:size], d.query_start_loc[:size + 1])
-            logits_indices = torch.arange(size, device=device)
 
-            def step(size=size, meta=meta, logits_indices=logits_indices) -> torch.Tensor:
-                return forward(d.input_ids[:size], d.positions[:size], meta, logits_indices)
+            # A captured graph reads its inputs at the addresses they had at capture, and keeps none of them
+            # alive: each is a view of a buffer held here (`_dev`, `rows`), never a tensor of its own that
+            # would be freed after the capture and its memory handed to another tensor.
+            def step(size=size, meta=meta) -> torch.Tensor:
+                return forward(d.input_ids[:size], d.positions[:size], meta, self.rows[:size])
 
             self._graphs[size] = capture(step, pool)
 

@@ -13,7 +13,7 @@ from loadtest.gpu_check.plan import Plan
 from workers.engine import KVImport
 from workers.output_processor import OutputKind
 
-TIMEOUT_S = 240
+TIMEOUT_S = 120
 DTYPE = "float32"
 
 

@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _section(name: str, fn: Callable[[], dict], results: dict) -> None:
+def _section(name: str, fn: Callable[[], dict], results: dict, on_done: Callable[[], None] | None = None) -> None:
     start = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
     try:
@@ -43,6 +43,8 @@ def _section(name: str, fn: Callable[[], dict], results: dict) -> None:
     data = {"status": status, **data, "elapsed_s": round(time.perf_counter() - start, 2)}
     results[name] = data
     print(f"[gpu_check] {name}: {status} ({data['elapsed_s']} s)", flush=True)
+    if on_done is not None:
+        on_done()
 
 
 def environment() -> dict:
@@ -93,7 +95,9 @@ def throughput(plan, model: str, vocab: int) -> dict:
             "batch1_graphs_over_eager": speedup}
 
 
-def run_checks(plan, model_dir: Path) -> dict:
+def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None) -> dict:
+    """Every section in turn; `on_done(results so far)` after each, so a run stopped at its time limit still
+    leaves what it measured."""
     from loadtest.gpu_check.model_files import write_weights
 
     write_weights(model_dir)
@@ -101,28 +105,41 @@ def run_checks(plan, model_dir: Path) -> dict:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import greedy_parity, pd_handoff, tensor_parallel
+    from loadtest.gpu_check import greedy_parity, pd_handoff, profile, tensor_parallel
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
     device = torch.device(plan.device)
     results: dict = {}
-    _section("environment", environment, results)
-    _section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE), results)
-    _section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab), results)
-    _section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab), results)
-    _section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab), results)
-    _section("throughput", lambda: throughput(plan, model, vocab), results)
+
+    def done() -> None:
+        if on_done is not None:
+            on_done(results)
+
+    def section(name: str, fn: Callable[[], dict]) -> None:
+        _section(name, fn, results, done)
+
+    def skip(name: str, reason: str) -> None:
+        results[name] = {"status": "skipped", "reason": reason}
+        done()
+
+    section("environment", environment)
+    section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE))
+    section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab))
+    section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab))
+    section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
+    section("throughput", lambda: throughput(plan, model, vocab))
+    section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     why_not = pd_handoff.transport_available()
     if why_not:
-        results["pd_handoff"] = {"status": "skipped", "reason": why_not}
+        skip("pd_handoff", why_not)
     else:
-        _section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), results)
+        section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab))
     why_not = tensor_parallel.why_skipped(plan)
     if why_not:
-        results["tensor_parallel"] = {"status": "skipped", "reason": why_not}
+        skip("tensor_parallel", why_not)
     else:
-        _section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab), results)
+        section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab))
     return results
 
 
@@ -144,6 +161,12 @@ def summary(report: dict) -> str:
         g, e = tp["batch1"]["graphs"], tp["batch1"]["eager"]
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
                      f"ratio {tp.get('batch1_graphs_over_eager') or 0:.2f}")
+    for run in report["checks"].get("decode_profile", {}).get("runs", []):
+        if run.get("profiled_steps"):
+            top = ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in run["top"][:3])
+            lines.append(f"  profile batch {run['batch']} {'graphs' if run['graphs'] else 'eager'}: "
+                         f"{run['wall_ms_per_step']:.2f} ms/step, device busy {run['device_busy_fraction']:.0%}, "
+                         f"{run['kernels_per_step']:.0f} kernels; top: {top}")
     return "\n".join(lines)
 
 
@@ -167,18 +190,24 @@ def main(argv: list[str] | None = None) -> int:
         plan, model_dir = Plan.dry(), prepare(out / "tiny-model", TINY_SHAPE)
     else:
         plan, model_dir = Plan.gpu(), Path(args.model)
+
+    def write(checks: dict, complete: bool) -> dict:
+        by_status: dict[str, list[str]] = {"passed": [], "failed": [], "error": [], "skipped": []}
+        for name, data in checks.items():
+            by_status.setdefault(data["status"], []).append(name)
+        report = {"mode": "dry-run" if args.dry_run else "gpu", "model": str(model_dir), "argv": sys.argv[1:],
+                  "complete": complete, "elapsed_s": time.perf_counter() - start,
+                  "all_passed": complete and not by_status["failed"] and not by_status["error"], **by_status,
+                  "checks": checks}
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        return report
+
     try:
-        checks = run_checks(plan, model_dir)
+        checks = run_checks(plan, model_dir, on_done=lambda partial: write(partial, complete=False))
     except Exception as e:  # the model folder itself: nothing else can run
         checks = {"setup": {"status": "error", "error": f"{type(e).__name__}: {e}",
                             "traceback": traceback.format_exc()[-4000:]}}
-    by_status: dict[str, list[str]] = {"passed": [], "failed": [], "error": [], "skipped": []}
-    for name, data in checks.items():
-        by_status.setdefault(data["status"], []).append(name)
-    report = {"mode": "dry-run" if args.dry_run else "gpu", "model": str(model_dir), "argv": sys.argv[1:],
-              "elapsed_s": time.perf_counter() - start, "all_passed": not by_status["failed"] and not by_status["error"],
-              **by_status, "checks": checks}
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    report = write(checks, complete=True)
     print(summary(report))
     print(f"wrote {out / 'gpu_check.json'}")
     return 0

@@ -21,6 +21,8 @@ from kernels.triton_attention import attention_grid, paged_attention, store_kv, 
 from test_cpu_attention import dense_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+# the kernels' device: a GPU where there is one, else the CPU under Triton's interpreter
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 
 
 def _paged_case(batch, block_size, heads, kv_heads, dim, dtype, seed=0, num_blocks=400):
@@ -46,7 +48,8 @@ def _paged_case(batch, block_size, heads, kv_heads, dim, dtype, seed=0, num_bloc
     query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32)
     seq_lens = torch.tensor([c for _, c in batch], dtype=torch.int32)
     query = torch.randn(int(q_lens.sum()), heads, dim, generator=gen).to(dtype)
-    return query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, keys, values
+    on = [t.to(DEVICE) for t in (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)]
+    return *on, keys, values
 
 
 BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (3, 50), (1, 1)]
@@ -61,9 +64,9 @@ def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim):
     out = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, dim ** -0.5)
     expected, start = [], 0
     for k, v, (q_len, ctx) in zip(keys, values, BATCH):
-        expected.append(dense_reference(query[start:start + q_len], k, v, q_len, ctx))
+        expected.append(dense_reference(query[start:start + q_len].cpu(), k, v, q_len, ctx))
         start += q_len
-    torch.testing.assert_close(out.float(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 def test_grid_covers_any_split_of_the_tokens():
@@ -80,10 +83,10 @@ def test_grid_covers_any_split_of_the_tokens():
 
 
 def test_store_kv_writes_slots_and_skips_negative_ones():
-    k_cache = torch.zeros(8, 4, 2, 32)
+    k_cache = torch.zeros(8, 4, 2, 32, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    key, value = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
-    store_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 30]))
+    key, value = torch.randn(3, 2, 32, device=DEVICE), torch.randn(3, 2, 32, device=DEVICE)
+    store_kv(key, value, k_cache, v_cache, torch.tensor([5, -1, 30], device=DEVICE))
     flat_k, flat_v = k_cache.view(-1, 2, 32), v_cache.view(-1, 2, 32)
     assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_v[30], value[2])
     assert flat_k.abs().sum((1, 2)).nonzero().flatten().tolist() == [5, 30]

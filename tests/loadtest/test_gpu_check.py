@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "throughput", "pd_handoff", "tensor_parallel"]
+            "greedy_speculative_vs_plain", "throughput", "decode_profile", "pd_handoff", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError

@@ -92,6 +92,36 @@ def test_graph_padding_rows_write_nowhere_and_see_one_key():
     assert not graphs.supports(wide)  # a block table wider than the captured buffers runs eagerly
 
 
+def test_captured_steps_read_only_buffers_the_graphs_keep():
+    """A CUDA graph replays reads at the addresses its inputs had at capture and keeps none of them alive: a
+    tensor made for one capture and then dropped is freed, its memory handed on, and replays read garbage
+    (indices out of bounds on a GPU). So a capture that keeps nothing must still find every input a view of
+    a buffer the graphs hold."""
+    import gc
+
+    from workers import cuda_graphs
+
+    inputs = {}
+
+    def forward(input_ids, positions, meta, logits_indices):
+        inputs[input_ids.shape[0]] = [input_ids, positions, logits_indices, *meta]
+        return torch.zeros(input_ids.shape[0], 3)
+
+    def capture_keeping_nothing(fn, pool):
+        return (lambda: None), fn()
+
+    graphs = cuda_graphs.DecodeGraphs(forward, lambda *t: list(t), max_batch=20, max_blocks=3,
+                                      device=torch.device("cpu"), capture=capture_keeping_nothing)
+    gc.collect()
+    held = {graphs._dev.flat.untyped_storage().data_ptr(), graphs.rows.untyped_storage().data_ptr()}
+    assert set(inputs) == set(graphs.sizes) == {1, 2, 4, 8, 16, 20}
+    for size, tensors in inputs.items():
+        assert len(tensors) == 7
+        for t in tensors:
+            assert t.untyped_storage().data_ptr() in held, (size, t)
+    assert inputs[20][2].tolist() == list(range(20))  # logits rows: every row of the step
+
+
 def test_a_tensor_that_forgets_its_device_is_caught(tiny_model_dir):
     """Everything on the meta device: any step input or model tensor built on the CPU would fail to mix."""
     from kernels.attention import get_attention_backend

@@ -113,10 +113,10 @@ def test_cuda_ipc_on_one_gpu_hands_over_and_frees_every_share():
     before = torch.cuda.memory_allocated()
     payload, ticket = offer(sender, cache, "a")
     assert _fetch_in_child(ticket, "cuda") == _digest(payload)
-    _, unfetched = offer(sender, cache, "b")
+    payload_b, unfetched = offer(sender, cache, "b")
     payload_c, local = offer(sender, cache, "c")
     assert torch.equal(bits(receiver.fetch(local)), bits(payload_c))  # same process: no IPC mapping
-    del payload, payload_c
+    del payload, payload_b, payload_c
     sender.release("a")
     sender.release("b")
     sender.release("c")

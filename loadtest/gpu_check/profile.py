@@ -1,0 +1,78 @@
+"""Where a decode step's time goes: a few decode-only steps of a full batch (eager and with graphs) and of one
+request (eager), under torch's profiler. Per step: wall time, the device's busy time (the sum of its kernels
+and copies), the number of kernels, and the kernels that take the most time. Informational: it passes when
+it measured, and says what to speed up when the throughput targets are missed."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from loadtest.gpu_check.engines import greedy, make_engine, random_prompts, release_memory, sync
+from loadtest.gpu_check.plan import Plan
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+
+PROFILED_STEPS = 3
+TOP_KERNELS = 12
+
+
+def _all_decoding(engine: Engine, batch: int) -> bool:
+    s = engine.scheduler
+    return (len(s.running) == batch and s.num_waiting == 0
+            and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
+
+
+def _device_events(prof) -> list:
+    """The device's kernels and copies (on the CPU, where there are none: the top-level operators)."""
+    events = list(prof.events())
+    device = [e for e in events if e.device_type != DeviceType.CPU]
+    return device or [e for e in events if e.cpu_parent is None and not e.name.startswith("ProfilerStep")]
+
+
+def profile_steps(plan: Plan, model: str, vocab: int, batch: int, graphs: bool) -> dict:
+    engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=max(batch, 8))
+    params = greedy(plan.output_len + PROFILED_STEPS + 4)  # room for the warm-up steps and the profiled ones
+    for i, ids in enumerate(random_prompts(batch, plan.prompt_len, vocab, seed=11)):
+        engine.add_request(f"p{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
+    warm = 0
+    while engine.has_unfinished_requests() and (not _all_decoding(engine, batch) or warm < 2):
+        warm += _all_decoding(engine, batch)
+        engine.step()
+    if not _all_decoding(engine, batch):
+        return {"batch": batch, "graphs": graphs, "profiled_steps": 0}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            sync(engine)
+            t0 = time.perf_counter()
+            engine.step()
+            sync(engine)
+            walls.append(time.perf_counter() - t0)
+    events = _device_events(prof)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        by_name[e.name].append(e.time_range.elapsed_us())
+    busy_us = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    steps = len(walls)
+    result = {"batch": batch, "graphs": graphs, "profiled_steps": steps,
+              "wall_ms_per_step": 1e3 * sum(walls) / steps, "device_busy_ms_per_step": busy_us / 1e3 / steps,
+              "kernels_per_step": len(events) / steps,
+              "top": [{"name": name[:120], "ms_per_step": sum(v) / 1e3 / steps, "calls_per_step": len(v) / steps}
+                      for name, v in top]}
+    result["device_busy_fraction"] = result["device_busy_ms_per_step"] / result["wall_ms_per_step"]
+    del engine
+    release_memory()
+    return result
+
+
+def decode_profile(plan: Plan, model: str, vocab: int) -> dict:
+    runs = [profile_steps(plan, model, vocab, plan.batch, False), profile_steps(plan, model, vocab, plan.batch, True),
+            profile_steps(plan, model, vocab, 1, False)]
+    return {"passed": all(r["profiled_steps"] for r in runs), "runs": runs}
