@@ -26,9 +26,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="folder for gpu_check.json")
     p.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, Triton interpreted, graphs "
                    "replayed eagerly: exercises every section here")
+    p.add_argument("--only", metavar="SECTION,...", help="run only these sections (a rerun within a short lease); "
+                   "the others are recorded as skipped")
     args = p.parse_args(argv)
     if args.prepare is None and args.out is None:
         p.error("--out DIR is required (or --prepare DIR)")
+    if args.only is not None:
+        unknown = set(args.only.split(",")) - set(SECTIONS)
+        if unknown:
+            p.error(f"--only: unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
     return args
 
 
@@ -95,9 +101,14 @@ def throughput(plan, model: str, vocab: int) -> dict:
             "batch1_graphs_over_eager": speedup}
 
 
-def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None) -> dict:
-    """Every section in turn; `on_done(results so far)` after each, so a run stopped at its time limit still
-    leaves what it measured."""
+SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
+            "greedy_speculative_vs_plain", "throughput", "decode_profile", "pd_handoff", "tensor_parallel")
+
+
+def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None,
+               only: set[str] | None = None) -> dict:
+    """Every section in turn (or those in `only`; `environment` always runs); `on_done(results so far)` after
+    each, so a run stopped at its time limit still leaves what it measured."""
     from loadtest.gpu_check.model_files import write_weights
 
     write_weights(model_dir)
@@ -117,7 +128,10 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
             on_done(results)
 
     def section(name: str, fn: Callable[[], dict]) -> None:
-        _section(name, fn, results, done)
+        if only is not None and name not in only and name != "environment":
+            skip(name, "not in --only")
+        else:
+            _section(name, fn, results, done)
 
     def skip(name: str, reason: str) -> None:
         results[name] = {"status": "skipped", "reason": reason}
@@ -131,12 +145,12 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("throughput", lambda: throughput(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     why_not = pd_handoff.transport_available()
-    if why_not:
+    if why_not and (only is None or "pd_handoff" in only):
         skip("pd_handoff", why_not)
     else:
         section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab))
     why_not = tensor_parallel.why_skipped(plan)
-    if why_not:
+    if why_not and (only is None or "tensor_parallel" in only):
         skip("tensor_parallel", why_not)
     else:
         section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab))
@@ -157,6 +171,10 @@ def summary(report: dict) -> str:
             lines.append(f"  batch {b['requests']} {kind}: {b['output_tok_s']:.0f} out tok/s, decode step "
                          f"{b.get('decode_step_ms', float('nan')):.2f} ms, roofline "
                          f"{'n/a' if frac is None else f'{frac:.0%}'}")
+            if b.get("graph_replay", {}).get("device_step_ms"):
+                g = b["graph_replay"]
+                lines.append(f"    its graph alone: {g['device_step_ms']:.2f} ms a replay at {g['context_tokens']} tokens of "
+                             f"context, roofline {g['roofline_fraction']:.0%}")
     if tp.get("batch1"):
         g, e = tp["batch1"]["graphs"], tp["batch1"]["eager"]
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
@@ -167,6 +185,9 @@ def summary(report: dict) -> str:
             lines.append(f"  profile batch {run['batch']} {'graphs' if run['graphs'] else 'eager'}: "
                          f"{run['wall_ms_per_step']:.2f} ms/step, device busy {run['device_busy_fraction']:.0%}, "
                          f"{run['kernels_per_step']:.0f} kernels; top: {top}")
+        if run.get("host"):
+            top = ", ".join(f"{f['function']} {f['own_ms_per_step']:.2f}" for f in run["host"]["top_own_time"][:4])
+            lines.append(f"    host (own ms/step): {top}")
     return "\n".join(lines)
 
 
@@ -203,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return report
 
     try:
-        checks = run_checks(plan, model_dir, on_done=lambda partial: write(partial, complete=False))
+        only = set(args.only.split(",")) if args.only else None
+        checks = run_checks(plan, model_dir, on_done=lambda partial: write(partial, complete=False), only=only)
     except Exception as e:  # the model folder itself: nothing else can run
         checks = {"setup": {"status": "error", "error": f"{type(e).__name__}: {e}",
                             "traceback": traceback.format_exc()[-4000:]}}

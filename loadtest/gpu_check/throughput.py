@@ -82,9 +82,36 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
         roofline_s = moved / bandwidth
         result |= {"decode_step_ms": step_s * 1e3, "decode_context_tokens": context, "bytes_per_step": moved,
                    "roofline_step_ms": roofline_s * 1e3, "roofline_fraction": roofline_s / step_s}
+    if graphs and engine.device.type == "cuda":
+        try:  # a measurement on top: its failure must not lose the section's
+            result["graph_replay"] = graph_replay(engine, plan.batch, bandwidth)
+        except Exception as e:
+            result["graph_replay"] = {"error": f"{type(e).__name__}: {e}"}
     del engine
     release_memory()
     return result
+
+
+def graph_replay(engine: Engine, batch: int, bandwidth: float, repeats: int = 20) -> dict:
+    """The device alone: the batch's decode graph replayed back to back over the inputs of the run's last
+    decode step (its requests are finished; the replays rewrite their last K/V with the same values), timed
+    with CUDA events. Against the step time above, the rest of a step is the host's (scheduling, inputs,
+    sampling, detokenizing)."""
+    graphs = engine.runner.graphs
+    replay, _ = graphs._graphs[batch]
+    context = int(graphs._dev.seq_lens[:batch].sum())
+    replay()
+    torch.cuda.synchronize(engine.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        replay()
+    end.record()
+    torch.cuda.synchronize(engine.device)
+    step_s = start.elapsed_time(end) / 1e3 / repeats
+    moved = weight_bytes(engine) + context * kv_bytes_per_token(engine)
+    return {"replays": repeats, "context_tokens": context, "device_step_ms": step_s * 1e3, "bytes_per_step": moved,
+            "roofline_step_ms": moved / bandwidth * 1e3, "roofline_fraction": moved / bandwidth / step_s}
 
 
 def batch1_decode(plan: Plan, model: str, vocab: int, graphs: bool) -> dict:

@@ -86,3 +86,20 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert checks["tensor_parallel"]["status"] == "skipped"
     assert checks["tensor_parallel"]["reason"].startswith("dry run")
     assert "ALL PASSED" in proc.stdout
+
+
+def test_only_runs_the_named_sections(tmp_path):
+    """`--only` (a rerun within what is left of a lease) runs the named sections and `environment`, and
+    records every other one as skipped; an unknown name is refused."""
+    proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
+                           "--only", "greedy_graphs_on_vs_off"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["complete"] and sorted(report["passed"]) == ["environment", "greedy_graphs_on_vs_off"]
+    assert list(report["checks"]) == SECTIONS
+    assert all(report["checks"][s]["reason"] == "not in --only" for s in report["skipped"])
+    bad = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
+                          "--only", "throughput,nonsense"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "unknown sections ['nonsense']" in bad.stderr
