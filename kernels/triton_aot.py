@@ -3,7 +3,8 @@ machine without a GPU (Triton ships its own ptxas). `python -m kernels.triton_ao
 line: how many variants compiled and which failed, so GPU-only compile errors surface in CPU-only CI.
 
 Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
-shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA), and the store row width."""
+shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA), the store row width, and for
+the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import sys
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SHAPES = [(1, 64), (3, 64), (2, 32), (4, 128), (8, 128), (1, 128)]  # (query heads per KV head, head_dim)
 STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
+NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
+ROPE_SHAPES = [(9 + 3, 64), (32 + 8, 128), (8 + 2, 32)]  # (query + KV heads, head_dim)
 
 
 def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> tuple[dict, dict]:
@@ -36,14 +39,15 @@ def compile_all(arch: int) -> dict:
     from triton.compiler import ASTSource
 
     from kernels.triton_attention import _paged_attention_kernel, _store_kv_kernel, tile_shape
+    from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
 
     target = GPUTarget("cuda", arch, 32)
     compiled, failed = 0, []
 
-    def build(fn, sig, consts, label):
+    def build(fn, sig, consts, label, options=None):
         nonlocal compiled
         try:
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target)
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=options)
             compiled += 1
         except Exception as e:  # report every failure, not just the first
             failed.append(f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
@@ -64,6 +68,22 @@ def compile_all(arch: int) -> dict:
             pointers["slot_mapping"] = "*i64"
             sig, cx = _signature(_store_kv_kernel, pointers, set(), dict(ROW=row, ROW_P=triton.next_power_of_2(row)))
             build(_store_kv_kernel, sig, cx, f"store_kv {short} row={row}")
+        for width in NORM_WIDTHS:
+            block = triton.next_power_of_2(width)
+            for has_res in (False, True):
+                pointers = {n: ptr for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
+                sig, cx = _signature(_rms_norm_kernel, pointers, {"eps"}, dict(HAS_RES=has_res, BLOCK=block))
+                build(_rms_norm_kernel, sig, cx, f"rms_norm {short} width={width} residual={has_res}",
+                      {"num_warps": _norm_warps(block)})
+        for heads, head_dim in ROPE_SHAPES:
+            pointers = {n: ptr for n in ("x_ptr", "cos_ptr", "sin_ptr")}
+            pointers["pos_ptr"] = "*i64"
+            consts = dict(HALF=head_dim // 2, HEADS_P=triton.next_power_of_2(heads),
+                          HALF_P=triton.next_power_of_2(head_dim // 2))
+            sig, cx = _signature(_rope_kernel, pointers, set(), consts)
+            build(_rope_kernel, sig, cx, f"rope {short} heads={heads} head_dim={head_dim}")
+        sig, cx = _signature(_silu_and_mul_kernel, {"gu_ptr": ptr, "out_ptr": ptr}, set(), dict(BLOCK=SILU_BLOCK))
+        build(_silu_and_mul_kernel, sig, cx, f"silu_and_mul {short}", {"num_warps": 4})
     return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}
 
 

@@ -26,8 +26,10 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
                 max_model_len: int, tp: TPShard = TPShard()) -> tuple[LlamaForCausalLM, AttentionBackend]:
     model = load_model(files, hf_config, dtype, max_model_len, device, tp)
     attn = get_attention_backend(config.attention_backend, device)
-    # The compiled layer ops come from the same build as the compiled attention: both or neither.
-    model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
+    # The compiled layer ops come from the same build as the compiled attention: both or neither. On a GPU
+    # the Triton attention comes with the Triton layer ops (one kernel per norm, rotary and SiLU-and-mul).
+    fused = "triton" if attn.name == "triton" and device.type == "cuda" else "torch"
+    model.ops = get_layer_ops("cpp" if attn.name == "cpp" else fused)
     weights = model.linear_weights()
     if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, weights):
         packed = model.ops.prepack(weights)

@@ -35,6 +35,18 @@ def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, r
     assert _greedy(llm) == reference
 
 
+def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir, reference):
+    """The model on CUDA takes the Triton layer ops with the Triton attention (`build_model`); here they run
+    in Triton's interpreter through every kind of step (chunks, decodes, mixed), with the same tokens."""
+    from kernels.triton_layer_ops import TritonLayerOps
+
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
+              max_num_batched_tokens=32)
+    assert llm.engine.model.ops.name == "torch"  # on the CPU the torch ops stay
+    llm.engine.model.ops = TritonLayerOps()
+    assert _greedy(llm) == reference
+
+
 def test_decode_graph_ladder_and_padding_replay_the_eager_tokens(tiny_model_dir, reference):
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB")
     replays: list[int] = []
