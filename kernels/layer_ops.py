@@ -363,8 +363,7 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def get_layer_ops(name: str = "auto") -> TorchLayerOps:
-    """`torch`, `cpp`, `triton` (CUDA, or the CPU under TRITON_INTERPRET=1), or `auto` (the compiled CPU ops when
-    they build here, else torch)."""
+    """`torch`, `cpp`, or `auto` (the compiled ops when they build here, else torch)."""
     if name == "auto":
         try:
             return CppLayerOps()
@@ -375,8 +374,4 @@ def get_layer_ops(name: str = "auto") -> TorchLayerOps:
         return CppLayerOps()
     if name == "torch":
         return TorchLayerOps()
-    if name == "triton":
-        from kernels.triton_layer_ops import TritonLayerOps
-
-        return TritonLayerOps()
-    raise ValueError(f"unknown layer ops {name!r}; expected auto, cpp, torch or triton")
+    raise ValueError(f"unknown layer ops {name!r}; expected auto, cpp or torch")

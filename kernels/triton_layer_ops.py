@@ -5,7 +5,8 @@ small torch ops: ~35 kernels a layer, ~1,070 a decode step of SmolLM2-135M's 30 
 batch-256 decode step's graph then kept the GPU busy ~3 ms, most of it in elementwise, reduction, gather and
 copy kernels of 2-3 us each (docs/benchmarks.md, "GPU check"). Here each op is one kernel, one program per
 token, which rounds as the torch version does: float32 inside, the model's dtype wherever torch rounds to it
-(so bfloat16 results match the torch ops to the bit but for the order of a sum). The kernels hold no host
+(bfloat16 results may still differ by a rounding step: a sum's order, exp and rsqrt, a fused multiply-add;
+float32 greedy tokens on an H200 matched the CPU's torch ops, docs/benchmarks.md). The kernels hold no host
 state and read no device value on the host, so decode steps capture them in CUDA graphs; under
 `TRITON_INTERPRET=1` they run on CPU tensors (tests)."""
 
@@ -117,8 +118,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
     """Rotate `x` ([tokens, heads, head_dim], any token and head strides, unit stride in head_dim) in place."""
     tokens, heads, dim = x.shape
-    if x.stride(-1) != 1 or cos_table.stride(-1) != 1 or sin_table.stride(0) != cos_table.stride(0):
+    if x.stride(-1) != 1 or cos_table.stride(-1) != 1 or sin_table.stride(-1) != 1 \
+            or sin_table.stride(0) != cos_table.stride(0):
         raise ValueError("rope_ needs unit stride along head_dim in x and the tables, and tables of one layout")
+    if positions.dim() != 1 or positions.stride(0) != 1:
+        raise ValueError("rope_ needs contiguous positions, one per token")
     half = dim // 2
     if tokens:
         _rope_kernel[(tokens,)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), cos_table.stride(0),

@@ -28,8 +28,12 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     attn = get_attention_backend(config.attention_backend, device)
     # The compiled layer ops come from the same build as the compiled attention: both or neither. On a GPU
     # the Triton attention comes with the Triton layer ops (one kernel per norm, rotary and SiLU-and-mul).
-    fused = "triton" if attn.name == "triton" and device.type == "cuda" else "torch"
-    model.ops = get_layer_ops("cpp" if attn.name == "cpp" else fused)
+    if attn.name == "triton" and device.type == "cuda":
+        from kernels.triton_layer_ops import TritonLayerOps
+
+        model.ops = TritonLayerOps()
+    else:
+        model.ops = get_layer_ops("cpp" if attn.name == "cpp" else "torch")
     weights = model.linear_weights()
     if isinstance(model.ops, CppLayerOps) and should_prepack(config.prepack_weights, weights):
         packed = model.ops.prepack(weights)

@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
-from kernels.layer_ops import TorchLayerOps, get_layer_ops  # noqa: E402
+from kernels.layer_ops import TorchLayerOps  # noqa: E402
 from kernels.triton_layer_ops import TritonLayerOps  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
@@ -81,11 +81,14 @@ def test_silu_and_mul_matches_torch(dtype, rows, intermediate):
     torch.testing.assert_close(got, torch_ops.silu_and_mul(gate_up), **TOLERANCE[dtype])
 
 
-def test_zero_rows_and_the_registry():
+def test_zero_rows_and_bad_layouts():
     x = torch.empty(0, 576, device=DEVICE)
     w = torch.ones(576, device=DEVICE)
     assert triton_ops.rms_norm(x, w, 1e-5).shape == (0, 576)
     assert triton_ops.silu_and_mul(torch.empty(0, 64, device=DEVICE)).shape == (0, 32)
-    assert isinstance(get_layer_ops("triton"), TritonLayerOps)
-    with pytest.raises(ValueError, match="expected auto, cpp, torch or triton"):
-        get_layer_ops("fused")
+    table = torch.ones(8, 64, device=DEVICE)
+    qk = torch.ones(3, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="unit stride"):
+        triton_ops.rope_(qk, table, table.t().contiguous().t(), torch.arange(3, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous positions"):
+        triton_ops.rope_(qk, table, table, torch.arange(6, device=DEVICE)[::2])
