@@ -16,6 +16,7 @@ from workers.config import EngineConfig
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_loader import load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
 from workers.model_setup import build_model, kv_blocks, make_runner, profile_kv_budget
+from workers.model_runner import ModelRunner
 from workers.models.llama import LlamaForCausalLM
 from workers.onednn_caches import bound_onednn_caches
 from workers.output_processor import OutputKind, OutputProcessor
@@ -72,6 +73,15 @@ def _load_predictor(path: str | None):
     return LinearLengthPredictor.load(path)
 
 
+@dataclass(slots=True)
+class _PendingOutputs:
+    """A step's sampled sequences whose outputs are not made yet (`Engine.overlap_outputs`)."""
+
+    sampled: list[Request]
+    logprobs: list
+    prompt_logprobs: dict
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -116,6 +126,9 @@ class Engine:
         self.vocab_size = hf_config.vocab_size
         self._computed_tokens = 0
         self.failed: dict[str, str] = {}  # requests the latest step failed and aborted: id -> error message
+        # On a GPU, a step's outputs are made while the device runs the next step (see `step`).
+        self.overlap_outputs = isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
+        self._pending: _PendingOutputs | None = None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""
@@ -244,23 +257,66 @@ class Engine:
         """Schedule, run the model once, apply the sampled tokens, and report the requests that made progress.
 
         A request that breaks the step fails alone: it is aborted (its blocks go back to the pool), its
-        error is in `failed` (request id -> message) until the next step, and the others go on."""
+        error is in `failed` (request id -> message) until the next step, and the others go on.
+
+        With `overlap_outputs` (on a GPU) the outputs of a step are made during the next one, while the
+        device runs it: detokenizing, stop strings and the `RequestOutput`s of 256 requests took ~2.5 ms of
+        a ~5 ms decode step on an H200's host, with the device idle. A step then reports the previous step's
+        outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
+        true until they are out; a stop string found then finishes its request, whose token from the step
+        in flight is dropped, as if it had not been scheduled."""
         self.failed = {}
         sched = self.scheduler.schedule()
         if not sched.requests:
-            return []
+            return self._take_pending()
         self.outputs.mark_scheduled(sched.requests, time.monotonic())
-        run = execute_isolating(self.runner.execute, sched)
+        earlier: list[RequestOutput] = [] if self.overlap_outputs else self._take_pending()
+        made: list[list[RequestOutput]] = []
+        errors: list[BaseException] = []
+
+        def make_pending() -> None:  # once, while the device runs this step; errors wait for the step's end
+            if made or errors:
+                return
+            try:
+                made.append(self._take_pending())
+            except Exception as e:
+                errors.append(e)
+
+        self.runner.before_sync = make_pending if self.overlap_outputs else None
+        try:
+            run = execute_isolating(self.runner.execute, sched)
+        finally:
+            self.runner.before_sync = None
+            make_pending()
+        if errors:
+            raise errors[0]
+        earlier += made[0] if made else []
+        stopped_meanwhile = {r for r in run.sched.requests if r.status.finished}
         if run.failed:
             self._fail(run.failed)
             run = run.without({r for r in run.sched.requests if r.status.finished})
+        elif stopped_meanwhile:
+            run = run.without(stopped_meanwhile)
         self._computed_tokens += run.sched.total_num_tokens
         sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids, run.output.accepted)
         logprobs = run.output.logprobs
         if self.structured.active:
             sampled, logprobs = self._advance_grammars(sampled, logprobs)
-        outputs, stopped = self.outputs.process(sampled, logprobs, time.monotonic(),
-                                                run.output.prompt_logprobs)
+        self._pending = _PendingOutputs(sampled, logprobs, run.output.prompt_logprobs)
+        if self.overlap_outputs:
+            return earlier
+        return earlier + self._take_pending()
+
+    def _take_pending(self) -> list[RequestOutput]:
+        """Make the outputs of the step whose tokens were applied last (those of requests still tracked: an
+        abort since forgets one), finish the requests a stop string ended, and forget finished requests'
+        generators."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return []
+        kept = [(r, lp) for r, lp in zip(pending.sampled, pending.logprobs) if self.outputs.tracks(r.request_id)]
+        sampled, logprobs = [r for r, _ in kept], [lp for _, lp in kept]
+        outputs, stopped = self.outputs.process(sampled, logprobs, time.monotonic(), pending.prompt_logprobs)
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])
         return outputs

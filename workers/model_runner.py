@@ -9,6 +9,8 @@ they are enabled (`enable_decode_graphs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.attention import AttentionBackend, CommonAttentionMetadata
@@ -42,6 +44,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         self._staging = torch.empty(0, dtype=torch.long)
+        # called once a step's kernels are queued, before the step waits for them (see `Engine.step`)
+        self.before_sync: Callable[[], None] | None = None
         torch.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(seed)
@@ -186,7 +190,7 @@ class ModelRunner:
         states = [(g, g.get_state()) for g in gens if g is not None]
         try:
             result = sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
-                            [s.history for s in specs], extra, step.allowed, self.model.ops.argmax)
+                            [s.history for s in specs], extra, step.allowed, self.model.ops.argmax, self.before_sync)
         except BaseException:
             for g, state in states:
                 g.set_state(state)

@@ -100,6 +100,9 @@ class OutputProcessor:
             self._seq_of[req.request_id] = (group, seq)
         self._groups[request_id] = group
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._seq_of
+
     def mark_scheduled(self, requests: list[Request], now: float) -> None:
         for req in requests:
             group = self._seq_of[req.request_id][0]

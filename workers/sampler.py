@@ -147,13 +147,15 @@ def apply_token_bitmask(logits: torch.Tensor, allowed: RowBitmask) -> torch.Tens
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
            extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
-           argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax) -> SampleOutput:
+           argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax,
+           before_sync: Callable[[], None] | None = None) -> SampleOutput:
     """`logits`: [rows, vocab] in the model's dtype (argmax needs no upcast; filtering, sampling and
     logprobs run in float32 on the rows that need them); one `params`, optional generator, optional
     list of banned token ids and token history (needed by rows with penalties) per row. `extra`, a flat
     tensor on the device, comes back to the host in the same copy as the tokens (`SampleOutput.extra`);
     `allowed`: the tokens that grammar-constrained rows may take; `argmax`: each row's first maximum (the
-    model's layer ops give a compiled one on the CPU)."""
+    model's layer ops give a compiled one on the CPU); `before_sync`: called once every kernel of the step is
+    queued, just before the copy back waits for them (on a GPU, host work done there overlaps the step)."""
     raw = logits
     logits = _mask_banned(logits, banned or [])
     if allowed is not None:
@@ -193,6 +195,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     tail = [] if extra is None else [extra.double()]
     if not want:
+        if before_sync is not None:
+            before_sync()
         if not tail:
             return SampleOutput(tokens.tolist(), [None] * len(params))  # the step's one device-to-host copy
         host = torch.cat([tokens.double(), *tail]).tolist()
@@ -206,7 +210,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
     # One copy back for everything: float64 holds token ids and ranks exactly, and float32 logprobs too.
     packed = torch.cat([chosen_lp[:, None].double(), ranks[:, None].double(), top_ids.double(), top_lp.double()], 1)
-    host = torch.cat([tokens.double(), packed.flatten(), *tail]).tolist()
+    packed = torch.cat([tokens.double(), packed.flatten(), *tail])
+    if before_sync is not None:
+        before_sync()
+    host = packed.tolist()
     token_list = [int(t) for t in host[:len(params)]]
     rows = host[len(params):len(params) + packed.numel()]
     width = 2 + 2 * k

@@ -82,8 +82,10 @@ def throughput(plan, model: str, vocab: int) -> dict:
     from loadtest.gpu_check.throughput import batch1_decode, batch_throughput, copy_bandwidth
 
     bandwidth = copy_bandwidth(torch.device(plan.device), plan.copy_bytes)
-    batch = {"graphs": batch_throughput(plan, model, vocab, True, bandwidth),
-             "eager": batch_throughput(plan, model, vocab, False, bandwidth)}
+    batch = {"graphs": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True),
+             "eager": batch_throughput(plan, model, vocab, False, bandwidth, overlap=True),
+             # the A/B of overlapped outputs: each step's outputs made before the next step
+             "graphs_outputs_in_step": batch_throughput(plan, model, vocab, True, bandwidth, overlap=False)}
     single = {"graphs": batch1_decode(plan, model, vocab, True), "eager": batch1_decode(plan, model, vocab, False)}
     eager_tok_s = single["eager"]["decode_tok_s"]
     speedup = single["graphs"]["decode_tok_s"] / eager_tok_s if eager_tok_s else None
@@ -164,7 +166,7 @@ def summary(report: dict) -> str:
         extra = data.get("reason") or data.get("error") or ""
         lines.append(f"  {name:26s} {data['status']:8s} {extra}".rstrip())
     tp = report["checks"].get("throughput", {})
-    for kind in ("graphs", "eager"):
+    for kind in ("graphs", "eager", "graphs_outputs_in_step"):
         b = tp.get("batch", {}).get(kind, {})
         if b:
             frac = b.get("roofline_fraction")
