@@ -210,10 +210,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], chosen[:, None][:, :0])
     # One copy back for everything: float64 holds token ids and ranks exactly, and float32 logprobs too.
     packed = torch.cat([chosen_lp[:, None].double(), ranks[:, None].double(), top_ids.double(), top_lp.double()], 1)
-    packed = torch.cat([tokens.double(), packed.flatten(), *tail])
+    flat = torch.cat([tokens.double(), packed.flatten(), *tail])
     if before_sync is not None:
         before_sync()
-    host = packed.tolist()
+    host = flat.tolist()
     token_list = [int(t) for t in host[:len(params)]]
     rows = host[len(params):len(params) + packed.numel()]
     width = 2 + 2 * k

@@ -138,3 +138,13 @@ def test_prompt_logprobs_pack_and_unpack_match_log_softmax():
         assert top_lps == pytest.approx(lp_row.topk(k).values.tolist(), abs=1e-6)
     assert plan_prompt_logprobs([b], [0], [3], [0]) is None
     assert isinstance(plan, PromptLogprobsPlan)
+
+
+def test_before_sync_is_called_once_before_the_copy_back_with_or_without_logprobs():
+    logits = torch.randn(2, VOCAB)
+    extra = torch.tensor([1.5, 2.0, 3.0])
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+                   SamplingParams(temperature=0.8, seed=1)):
+        calls = []
+        out = sample(logits, [params] * 2, [None] * 2, extra=extra, before_sync=lambda: calls.append(1))
+        assert calls == [1] and out.extra == [1.5, 2.0, 3.0] and len(out.token_ids) == 2
