@@ -88,31 +88,30 @@ def _norm_warps(block: int) -> int:
     return min(max(block // 256, 1), 8)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`x + residual` in a new tensor, or `x` without a residual; the RMSNorm of that), in one kernel."""
     x2 = _rows(x)
+    r2 = x2 if residual is None else _rows(residual)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    total = x2 if residual is None else torch.empty_like(out)
     n = x2.shape[-1]
     block = triton.next_power_of_2(n)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0),
-                                         out.stride(0), n, eps, HAS_RES=False, BLOCK=block,
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
+                                         total.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
                                          num_warps=_norm_warps(block))
-    return out.view(x.shape)
+    return total.view(x.shape), out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps)[1]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`x + residual` (into a new tensor) and its RMSNorm, in one kernel."""
-    x2, r2 = _rows(x), _rows(residual)
-    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(total)
-    n = x2.shape[-1]
-    block = triton.next_power_of_2(n)
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
-                                         total.stride(0), n, eps, HAS_RES=True, BLOCK=block,
-                                         num_warps=_norm_warps(block))
-    return total.view(x.shape), out.view(x.shape)
+    return _norm(x, residual, weight, eps)
 
 
 def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
