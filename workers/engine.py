@@ -260,8 +260,9 @@ class Engine:
         error is in `failed` (request id -> message) until the next step, and the others go on.
 
         With `overlap_outputs` (on a GPU) the outputs of a step are made during the next one, while the
-        device runs it: detokenizing, stop strings and the `RequestOutput`s of 256 requests took ~2.5 ms of
-        a ~5 ms decode step on an H200's host, with the device idle. A step then reports the previous step's
+        device runs it. At batch 256 on an H200 the host's work was ~3.4 ms of a 4.9 ms decode step, the
+        device idle meanwhile, and making the outputs (detokenizing, stop strings, `RequestOutput`s) about a
+        third of it under Python's profiler (docs/benchmarks.md). A step then reports the previous step's
         outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
         true until they are out; a stop string found then finishes its request, whose token from the step
         in flight is dropped, as if it had not been scheduled."""
