@@ -292,12 +292,11 @@ class Engine:
         if errors:
             raise errors[0]
         earlier += made[0] if made else []
-        stopped_meanwhile = {r for r in run.sched.requests if r.status.finished}
         if run.failed:
             self._fail(run.failed)
-            run = run.without({r for r in run.sched.requests if r.status.finished})
-        elif stopped_meanwhile:
-            run = run.without(stopped_meanwhile)
+        finished = {r for r in run.sched.requests if r.status.finished}  # failed, or stopped by `make_pending`
+        if finished:
+            run = run.without(finished)
         self._computed_tokens += run.sched.total_num_tokens
         sampled = self.scheduler.update_from_output(run.sched, run.output.token_ids, run.output.accepted)
         logprobs = run.output.logprobs

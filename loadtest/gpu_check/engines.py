@@ -59,6 +59,14 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, p
     return [done[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
+def all_decoding(engine: Engine, batch: int) -> bool:
+    """Whether the step about to run is decode-only over the whole batch: `batch` requests running, none
+    waiting, each owing just its last token."""
+    s = engine.scheduler
+    return (len(s.running) == batch and s.num_waiting == 0
+            and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
+
+
 def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

@@ -15,7 +15,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from loadtest.gpu_check.engines import greedy, make_engine, random_prompts, release_memory, sync
+from loadtest.gpu_check.engines import all_decoding, greedy, make_engine, random_prompts, release_memory, sync
 from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
@@ -24,12 +24,6 @@ PROFILED_STEPS = 3
 TOP_KERNELS = 12
 HOST_STEPS = 10
 TOP_FUNCTIONS = 20
-
-
-def _all_decoding(engine: Engine, batch: int) -> bool:
-    s = engine.scheduler
-    return (len(s.running) == batch and s.num_waiting == 0
-            and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
 
 
 def _device_events(prof) -> list:
@@ -67,10 +61,10 @@ def profile_steps(plan: Plan, model: str, vocab: int, batch: int, graphs: bool, 
     for i, ids in enumerate(random_prompts(batch, plan.prompt_len, vocab, seed=11)):
         engine.add_request(f"p{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
     warm = 0
-    while engine.has_unfinished_requests() and (not _all_decoding(engine, batch) or warm < 2):
-        warm += _all_decoding(engine, batch)
+    while engine.has_unfinished_requests() and (not all_decoding(engine, batch) or warm < 2):
+        warm += all_decoding(engine, batch)
         engine.step()
-    if not _all_decoding(engine, batch):
+    if not all_decoding(engine, batch):
         return {"batch": batch, "graphs": graphs, "profiled_steps": 0}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     walls = []

@@ -129,15 +129,15 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
         if on_done is not None:
             on_done(results)
 
-    def section(name: str, fn: Callable[[], dict]) -> None:
+    def section(name: str, fn: Callable[[], dict], why_not: str | None = None) -> None:
+        """Run `fn` as section `name`, unless `--only` leaves it out or it cannot run here (`why_not`)."""
         if only is not None and name not in only and name != "environment":
-            skip(name, "not in --only")
+            why_not = "not in --only"
+        if why_not:
+            results[name] = {"status": "skipped", "reason": why_not}
+            done()
         else:
             _section(name, fn, results, done)
-
-    def skip(name: str, reason: str) -> None:
-        results[name] = {"status": "skipped", "reason": reason}
-        done()
 
     section("environment", environment)
     section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE))
@@ -146,16 +146,9 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
     section("throughput", lambda: throughput(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
-    why_not = pd_handoff.transport_available()
-    if why_not and (only is None or "pd_handoff" in only):
-        skip("pd_handoff", why_not)
-    else:
-        section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab))
-    why_not = tensor_parallel.why_skipped(plan)
-    if why_not and (only is None or "tensor_parallel" in only):
-        skip("tensor_parallel", why_not)
-    else:
-        section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab))
+    section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
+    section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab),
+            tensor_parallel.why_skipped(plan))
     return results
 
 
@@ -175,8 +168,8 @@ def summary(report: dict) -> str:
                          f"{'n/a' if frac is None else f'{frac:.0%}'}")
             if b.get("graph_replay", {}).get("device_step_ms"):
                 g = b["graph_replay"]
-                lines.append(f"    its graph alone: {g['device_step_ms']:.2f} ms a replay at {g['context_tokens']} tokens of "
-                             f"context, roofline {g['roofline_fraction']:.0%}")
+                lines.append(f"    its graph alone: {g['device_step_ms']:.2f} ms a replay at {g['context_tokens']} "
+                             f"tokens of context, roofline {g['roofline_fraction']:.0%}")
     if tp.get("batch1"):
         g, e = tp["batch1"]["graphs"], tp["batch1"]["eager"]
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "

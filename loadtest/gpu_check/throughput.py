@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from loadtest.gpu_check.engines import generate, greedy, make_engine, random_prompts, release_memory, sync
+from loadtest.gpu_check.engines import (all_decoding, generate, greedy, make_engine, random_prompts, release_memory,
+                                        sync)
 from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
@@ -54,8 +55,7 @@ def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
     sync(engine)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        full_decode = (len(s.running) == len(prompts) and s.num_waiting == 0
-                       and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
+        full_decode = all_decoding(engine, len(prompts))
         context = sum(r.num_tokens for r in s.running) if full_decode else 0
         t0 = time.perf_counter()
         for out in engine.step():
@@ -78,7 +78,8 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     generate(engine, warm, greedy(plan.warmup_tokens), prefix="w")
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
-    result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
+    result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "requests": plan.batch,
+              "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:
         step_s = statistics.median(t for t, _ in steps)
