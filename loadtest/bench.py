@@ -15,6 +15,7 @@ our engine offline, the Hugging Face baselines, or all of them side by side in o
     kvrelay bench recovery --rounds 5                          # kill a replica, time until served again
     kvrelay bench structured --rounds 3                        # decode step time with grammar-constrained rows
     kvrelay bench decode-attention --batch 256 --context 200   # the decode kernel's K/V read rate vs memory
+    kvrelay bench host-step --batch 256 --profile              # the engine's own Python per decode step
 
 `server` starts a private local Ray cluster and deploys a fresh `kvrelay serve` app for every run (so
 no run inherits another's prefix cache); `--url` measures whatever is listening there. Burst, poisson, single,
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from loadtest import decode_attention, long_prompt, recovery, result_commands, runners, single, structured
+from loadtest import decode_attention, host_step, long_prompt, recovery, result_commands, runners, single, structured
 from loadtest.runners import LOCAL_SYSTEMS, TIMED_SYSTEMS
 from loadtest.soak_mix import SoakMix
 from loadtest.workloads import BURST_CAPS, SINGLE_LEN, SINGLE_NUM_REQUESTS
@@ -222,6 +223,7 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     recovery.add_parser(sub, _key_value)
     structured.add_parser(sub)
     decode_attention.add_parser(sub)
+    host_step.add_parser(sub)
     return parser
 
 
@@ -238,7 +240,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "recovery": recovery.run_recovery, "structured": structured.run_structured,
-    "decode-attention": decode_attention.run_decode_attention,
+    "decode-attention": decode_attention.run_decode_attention, "host-step": host_step.run_host_step,
     "burst": runners.run_burst, "poisson": runners.run_poisson, "random": runners.run_random,
     "single": single.run_single,
     "long-prompt": long_prompt.run_long_prompt, "policies": runners.run_policies,

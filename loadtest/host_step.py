@@ -1,0 +1,216 @@
+"""What the engine's own Python costs a decode step: `kvrelay bench host-step --batch 256 --out docs/results`.
+
+On a GPU a decode step of a small model is mostly host time: at batch 256 on an H200 the host's work was ~3.4
+ms of a 4.9 ms step while the device sat idle (docs/benchmarks.md). That work does not depend on the device,
+so it is measured here, on any machine, with a tiny random-weight model (the default model's tokenizer, so
+that detokenizing costs what it costs) whose forward pass is cheap: `--batch` requests decode together and
+every decode-only step is split into its phases, each timed where the engine calls it:
+
+- `schedule`: `Scheduler.schedule` (the token budget, KV slots);
+- `step_inputs`: `build_step_inputs` (the flat batch, block tables, slot mapping, sampling specs);
+- `forward`: the model itself (device work on a GPU);
+- `sample`: the sampler, its tensor ops and its per-row Python;
+- `update`: `Scheduler.update_from_output` (tokens applied, stops, prefix-cache publishing);
+- `outputs`: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s);
+- `other`: the rest of `Engine.step`.
+
+`host_ms` is the step less `forward` and `sample`: what a GPU would wait for on every step whatever its
+speed. Configurations run in the same process; `--rounds` repeats the measurement and the median counts."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.results import git_commit, loadavg, write_json
+
+PHASES = ("schedule", "step_inputs", "forward", "sample", "update", "outputs")
+TOP_FUNCTIONS = 25
+
+
+class _GcClock:
+    """The seconds the garbage collector spends in collections, and how many, by generation, while it runs."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._start = 0.0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> "_GcClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+class _Timed:
+    """Wraps a callable and adds up the seconds spent in it."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def write_model(path: Path, tokenizer_dir: str, vocab_size: int) -> str:
+    """A one-layer random-weight Llama with the default model's tokenizer: a forward pass costs little
+    beside the engine's bookkeeping (the LM head over the whole vocabulary stays)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    return str(path)
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any, profile: bool = False) -> dict:
+    """Decode `steps` steps of the whole batch after its prefill; seconds per step by phase."""
+    from workers import model_runner
+    from workers.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    tag = time.monotonic_ns()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"h{tag}-{i}", None, params, prompt_token_ids=ids, output_kind=output_kind)
+    sched, runner, outputs = engine.scheduler, engine.runner, engine.outputs
+    timers = {"schedule": _Timed(sched.schedule), "step_inputs": _Timed(model_runner.build_step_inputs),
+              "forward": _Timed(runner._forward), "sample": _Timed(model_runner.sample),
+              "update": _Timed(sched.update_from_output), "outputs": _Timed(outputs.process)}
+    sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
+    runner._forward, outputs.process = timers["forward"], timers["outputs"]
+    model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"], timers["sample"]
+    prof = cProfile.Profile() if profile else None
+    walls: list[float] = []
+    per_phase: dict[str, list[float]] = {k: [] for k in PHASES}
+    gc_s, gc_counts = 0.0, [0, 0, 0]
+    clock = _GcClock()
+    try:
+        while engine.has_unfinished_requests():
+            decoding = (len(sched.running) == len(prompts)
+                        and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running))
+            if decoding and len(walls) >= steps:
+                break
+            before = {k: t.seconds for k, t in timers.items()}
+            if decoding and prof is not None:
+                prof.enable()
+            with clock:
+                start = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - start
+            if decoding and prof is not None:
+                prof.disable()
+            if decoding:
+                walls.append(wall)
+                gc_s += clock.seconds
+                gc_counts = [a + b for a, b in zip(gc_counts, clock.collections)]
+                for k in PHASES:
+                    per_phase[k].append(timers[k].seconds - before[k])
+            clock.seconds, clock.collections = 0.0, [0, 0, 0]
+    finally:
+        del sched.schedule, sched.update_from_output, runner._forward, outputs.process
+        model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"].fn, timers["sample"].fn
+        engine.abort_request(engine.unfinished_request_ids())
+        while engine.has_unfinished_requests():
+            engine.step()
+    n = max(len(walls), 1)
+    ms = {k: 1e3 * sum(v) / n for k, v in per_phase.items()}
+    ms["step"] = 1e3 * sum(walls) / n
+    ms["other"] = ms["step"] - sum(ms[k] for k in PHASES)
+    ms["host"] = ms["step"] - ms["forward"] - ms["sample"]
+    ms["gc"] = 1e3 * gc_s / n  # inside whichever phases the collections fell in
+    result = {"decode_steps": len(walls), "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
+              "gc_collections_by_generation": gc_counts}
+    if prof is not None:
+        stats = pstats.Stats(prof).stats
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:TOP_FUNCTIONS]
+        result["profile_top_own_time"] = [
+            {"function": f"{Path(f).name}:{line}({name})", "calls_per_step": round(calls / n, 1),
+             "own_ms_per_step": round(1e3 * own / n, 4), "cumulative_ms_per_step": round(1e3 * cum / n, 4)}
+            for (f, line, name), (_, calls, own, cum, _) in rows]
+    return result
+
+
+def run_host_step(args: argparse.Namespace) -> int:
+    if min(args.batch, args.prompt_len, args.steps, args.rounds, args.threads) < 1:
+        raise ValueError("--batch, --prompt-len, --steps, --rounds and --threads must be >= 1")
+    from workers.engine import Engine
+    from workers.model_loader import default_model_path
+    from workers.output_processor import OutputKind
+
+    kind = OutputKind(args.output_kind)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or write_model(Path(tmp), default_model_path(), args.vocab_size)
+        engine = Engine(model=model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.batch,
+                        max_num_batched_tokens=max(2048, args.batch), max_model_len=args.prompt_len + args.steps + 64,
+                        kv_cache_memory="256MiB", num_speculative_tokens=0)
+        prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
+        measure(engine, prompts[:8], 4, kind)  # warm-up
+        load = [loadavg()]
+        rounds = []
+        for r in range(args.rounds):
+            rounds.append(measure(engine, prompts, args.steps, kind))
+            load.append(loadavg())
+            print("round", r + 1, " ".join(f"{k} {v:.3f}" for k, v in rounds[-1]["ms_per_step"].items()),
+                  "gc collections", rounds[-1]["gc_collections_by_generation"])
+        profiled = measure(engine, prompts, args.steps, kind, profile=True) if args.profile else None
+    median = {k: round(statistics.median(r["ms_per_step"][k] for r in rounds), 4) for k in rounds[0]["ms_per_step"]}
+    print(f"median ms per decode step at batch {args.batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
+    if profiled is not None:
+        for row in profiled["profile_top_own_time"][:15]:
+            print(f"  {row['own_ms_per_step']:8.3f} ms own {row['calls_per_step']:8.1f} calls  {row['function']}")
+    payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
+               "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
+               "output_kind": kind.value, "dtype": args.dtype, "threads": args.threads,
+               "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "loadavg_1_5_15": load,
+               "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}
+    if args.out is not None:
+        path = write_json(args.out / f"host-step-{time.strftime('%Y%m%d-%H%M%S')}.json", payload)
+        print(f"wrote {path}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("host-step", help="the engine's own Python per decode step, by phase, with a tiny model")
+    p.add_argument("--batch", type=int, default=256, help="requests decoding together")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output-kind", default="delta", choices=["delta", "cumulative", "final"],
+                   help="how requests report (the server streams deltas)")
+    p.add_argument("--vocab-size", type=int, default=8192,
+                   help="the tiny model's vocabulary: its first ids of the default tokenizer's (a smaller LM head and "
+                   "argmax than the real model's, whose cost is the device's on a GPU)")
+    p.add_argument("--model", default=None, help="a model folder instead of the tiny random one")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--profile", action="store_true", help="one more round under Python's profiler (not in the medians)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default: print only)")

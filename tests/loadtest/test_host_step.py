@@ -1,0 +1,32 @@
+"""`kvrelay bench host-step`: the phases of a decode step are timed where the engine calls them, and the
+engine is left as it was."""
+
+from __future__ import annotations
+
+from loadtest import host_step
+from workers import model_runner
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+
+
+def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp_path, default_model_dir):
+    model = host_step.write_model(tmp_path / "m", default_model_dir, vocab_size=512)
+    engine = Engine(model=model, dtype="float32", max_num_seqs=4, kv_cache_memory="16MiB", num_threads=1,
+                    num_speculative_tokens=0, max_model_len=128)
+    prompts = host_step._prompts(4, 8, engine.vocab_size)
+    build, sample = model_runner.build_step_inputs, model_runner.sample
+    result = host_step.measure(engine, prompts, 3, OutputKind.DELTA, profile=True)
+    ms = result["ms_per_step"]
+    assert result["decode_steps"] == 3
+    assert all(ms[k] > 0 for k in host_step.PHASES)
+    assert abs(ms["step"] - sum(ms[k] for k in host_step.PHASES) - ms["other"]) < 1e-3  # each rounded to 0.1 us
+    assert abs(ms["host"] - (ms["step"] - ms["forward"] - ms["sample"])) < 1e-3
+    assert result["profile_top_own_time"] and sum(result["gc_collections_by_generation"]) >= 0
+    # the wrappers are gone and nothing is left running
+    assert model_runner.build_step_inputs is build and model_runner.sample is sample
+    for obj, name in ((engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"),
+                      (engine.runner, "_forward"), (engine.outputs, "process")):
+        assert name not in vars(obj)
+    assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
+    # and it measures again
+    assert host_step.measure(engine, prompts, 2, OutputKind.FINAL_ONLY)["decode_steps"] == 2
