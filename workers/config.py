@@ -51,6 +51,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(
         0.9, "CUDA only: the fraction of the GPU's memory the engine may use (weights, activations, KV cache).")
     enforce_eager: bool = _opt(False, "CUDA only: never capture CUDA graphs (decode steps run eagerly).")
+    disable_async_output_proc: bool = _opt(
+        False, "CUDA only: make a step's outputs (text, stop strings, logprobs) before the next step starts, "
+               "instead of while the GPU runs it (one GPU: on by default; each output then comes one step later).")
     tensor_parallel_size: int = _opt(1, "Split every layer over this many ranks (Ray actors joined by gloo on the "
                                         "CPU, NCCL on CUDA), one bundle each in the replica's placement group.")
     distributed_timeout_s: float = _opt(300.0, "Tensor parallelism: a step that a rank has not finished within this "

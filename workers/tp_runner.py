@@ -105,7 +105,7 @@ class TPModelRunner:
         import ray
 
         step = build_step_inputs(out, self.block_size, self.part.num_heads, self.part.num_kv_heads)
-        if self.structured is not None:
+        if self.structured is not None and self.structured.active:
             step.allowed = self.structured.bitmask(sampled_requests(out))
         step.released, self._released = self._released, []
         ref = ray.put(step)

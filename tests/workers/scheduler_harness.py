@@ -109,6 +109,15 @@ class Harness:
         waiting = list(self.sched.waiting)
         assert not set(map(id, waiting)) & set(map(id, self.sched.running)), "a request both waiting and running"
 
+    def check_published(self) -> None:
+        """Every full computed block of a running request is published under its hash, which lets the
+        scheduler skip publishing after a token that fills no block."""
+        if not self.kv.enable_prefix_caching:
+            return
+        for r in self.sched.running:
+            full = min(r.num_computed_tokens // self.bs, len(r.block_ids))
+            assert self.kv._num_published.get(r.request_id, 0) == full, f"{r.request_id} left blocks unpublished"
+
     def check_reads(self, req: Request, upto: int) -> None:
         """The request's computed positions read back the values its own history implies."""
         for p in range(upto):
@@ -120,8 +129,12 @@ class Harness:
     def step(self) -> bool:
         sched, cfg = self.sched, self.config
         before = {id(r): r.num_computed_tokens for r in self.live()}
+        waiting_before = {id(r) for r in sched.waiting}
         out = sched.schedule()
         self.result.steps += 1
+        # the requests scheduled from the queue, in their order in the step
+        assert out.admitted == [r for r in out.requests if id(r) in waiting_before]
+        self.check_published()
         assert len(out.requests) == len(out.num_new_tokens)
         assert out.total_num_tokens <= cfg.max_num_batched_tokens
         assert len(out.requests) <= cfg.max_num_seqs
@@ -160,6 +173,7 @@ class Harness:
         sampled = sched.update_from_output(out, tokens)
         assert len(sampled) == len(tokens)
         self.check_pool()
+        self.check_published()
         done = [r for r in sampled if r.num_output_tokens >= r.max_tokens]
         for r in sampled:
             assert r.num_output_tokens <= r.max_tokens

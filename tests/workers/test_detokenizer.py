@@ -88,3 +88,113 @@ def test_the_rust_decode_is_used_only_where_it_gives_the_same_text(tokenizer):
     cleaning.clean_up_tokenization_spaces = True
     assert raw_decode(cleaning) is None and raw_decode(object()) is None
     assert IncrementalDetokenizer(cleaning, [1])._raw_decode is None
+
+
+def _window_only(detok: IncrementalDetokenizer) -> IncrementalDetokenizer:
+    detok._stream = None
+    return detok
+
+
+def _same_text_both_ways(tok, cases, **kw) -> int:
+    """Feeds each (prompt, output) case token by token to a detokenizer that uses the Rust decode stream and
+    to one held to the window in Python; asserts the same text and stop after every token. Returns how many
+    cases ran on the stream."""
+    streamed = 0
+    for prompt, out in cases:
+        a = IncrementalDetokenizer(tok, prompt, **kw)
+        b = _window_only(IncrementalDetokenizer(tok, prompt, **kw))
+        streamed += a._stream is not None
+        for t in out:
+            hit = a.update([t])
+            assert hit == b.update([t]) and a.output_text == b.output_text, (prompt, out)
+            if hit:
+                break
+    return streamed
+
+
+def test_the_decode_stream_gives_the_windows_text(tokenizer):
+    """The Rust `DecodeStream` takes over the window for the default tokenizer: the same text after every
+    token on random ids, a third of them byte tokens that split characters (also mid-prompt and left
+    incomplete), special tokens kept or skipped, with stop strings."""
+    import random
+
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    byte_ids = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
+    assert len(byte_ids) > 100
+
+    def pick() -> int:
+        r = rng.random()
+        return rng.choice(byte_ids) if r < 0.3 else rng.randrange(17) if r < 0.4 else rng.randrange(vocab)
+
+    text_ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    cases = [([pick() for _ in range(rng.randrange(1, 8))], text_ids if i % 4 == 0 else [pick() for _ in range(40)])
+             for i in range(300)]
+    for skip in (True, False):
+        assert _same_text_both_ways(tokenizer, cases, skip_special_tokens=skip) > 50
+    assert _same_text_both_ways(tokenizer, cases, stop=["end", "ñ", "\n"]) > 50
+
+
+def test_the_decode_stream_with_a_sentencepiece_style_decoder():
+    """A tokenizer whose decoder turns a leading ▁ into a space (Metaspace): what a token adds depends on the
+    one before, which the stream is primed with (the prompt's last tokens)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+
+    text = CORPUS.read_text()[:100_000]
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>", "<s>", "</s>"] +
+                                  [f"<0x{i:02X}>" for i in range(256)])
+    tok.train_from_iterator([text[i:i + 1000] for i in range(0, len(text), 1000)] + [TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   clean_up_tokenization_spaces=False)
+    assert fast.decode(fast(TEXT).input_ids, skip_special_tokens=True) == TEXT
+    rng = random.Random(1)
+    cases = [([rng.randrange(len(fast)) for _ in range(rng.randrange(1, 8))],
+              fast(TEXT).input_ids if i % 3 == 0 else [rng.randrange(len(fast)) for _ in range(40)]) for i in range(300)]
+    for skip in (True, False):
+        assert _same_text_both_ways(fast, cases, skip_special_tokens=skip) > 100
+
+
+def test_a_prompt_ending_in_part_of_a_character_keeps_the_window(tokenizer):
+    """Primed with a prompt tail that decodes to an incomplete character, the stream would report the
+    prompt's text with the first token: such a prompt keeps the window."""
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer, ids[:cut])
+    assert detok._stream is None
+    for t in ids[cut:]:
+        detok.update([t])
+    assert detok.output_text.endswith(" end") and "\ufffd" not in detok.output_text
+    assert IncrementalDetokenizer(tokenizer, tokenizer("Say:").input_ids)._stream is not None
+
+
+def test_a_stream_that_raises_hands_over_to_the_window(tokenizer):
+    """If the Rust stream raises (a decoder it cannot follow), the window goes on from the last text it gave,
+    tokens it still held included, and the text is what the window alone would have made."""
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    prompt = tokenizer("Say:").input_ids
+    split = next(i for i in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:i])[-1:])  # mid-character
+
+    class Breaks:
+        def __init__(self, stream, after: int) -> None:
+            self.stream, self.left = stream, after
+
+        def step(self, backend, new):
+            if self.left == 0:
+                raise RuntimeError("the stream broke")
+            self.left -= 1
+            return self.stream.step(backend, new)
+
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok._stream = Breaks(detok._stream, split)
+    for t in ids:
+        detok.update([t])
+    assert detok._stream is None
+    assert detok.output_text == tokenizer.decode(ids)

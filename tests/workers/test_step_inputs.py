@@ -94,3 +94,43 @@ def test_a_step_where_no_request_samples_has_long_empty_logits_indices():
         r.all_token_ids = r.all_token_ids[:20]
     step = step_inputs.build_step_inputs(SchedulerOutput(reqs, [1, 1]), 16, 9, 3)
     assert step.logits_indices.dtype == torch.long and step.logits_indices.numel() == 0 and not step.samples
+
+
+def test_a_request_keeps_its_sample_spec_once_it_no_longer_changes():
+    """A request's spec is rebuilt while it bans tokens (min_tokens not out) and always with bad words or
+    penalties (its ban or history changes with every token); otherwise the first one is reused."""
+    rng = random.Random(9)
+
+    def decoding(params: SamplingParams, **kw) -> Request:
+        r = _request(rng, 0, 16, 0, 20)
+        r.sampling_params, r.eos_token_id = params, 2
+        for k, v in kw.items():
+            setattr(r, k, v)
+        r.num_computed_tokens = r.num_tokens - 1
+        return r
+
+    def spec(r: Request):
+        return step_inputs.build_step_inputs(SchedulerOutput([r], [1]), 16, 9, 3).samples[0]
+
+    def grow(r: Request) -> None:
+        r.append_token(rng.randrange(3, 1000))
+        r.num_computed_tokens += 1
+
+    plain = decoding(SamplingParams(max_tokens=64))
+    first = spec(plain)
+    assert first.ban is None and first.history is None and spec(plain) is first
+
+    held = decoding(SamplingParams(max_tokens=64, min_tokens=2))
+    held.prompt_token_ids = list(held.all_token_ids)  # no output yet
+    assert spec(held).ban == [2] and spec(held) is not spec(held)
+    grow(held)
+    assert spec(held).ban == [2]
+    grow(held)
+    kept = spec(held)
+    assert kept.ban is None and spec(held) is kept
+
+    words = decoding(SamplingParams(max_tokens=64), bad_words_token_ids=[[7]])
+    assert spec(words).ban == [7] and spec(words) is not spec(words)
+    penalised = decoding(SamplingParams(max_tokens=64, repetition_penalty=1.2))
+    s = spec(penalised)
+    assert s.history is not None and spec(penalised) is not s
