@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything a lent GPU checks, in one call of the `device` tool (about 2 of its 7 minutes on an H200):
+#
+#   here:   .venv/bin/python -m loadtest.gpu_check --prepare .gpu_check/model
+#   device: bash loadtest/gpu_check/device_run.sh         (carry [".gpu_check"], timeout_s 420)
+#
+# The check's JSON and log, the GPU tests' output and nvidia-smi land in $OUT. Each part has its own time
+# limit, so a hung part still leaves the others' results; the JSON is written after every section.
+set -u
+: "${OUT:?set OUT to the folder for the results}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+cd "$(dirname "$0")/../.."
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null || true
+timeout 300 python3 -m loadtest.gpu_check --model .gpu_check/model --out "$OUT" > "$OUT/gpu_check.log" 2>&1
+echo "gpu_check exit $?"
+# the Triton kernels and the CUDA IPC hand-off, on the GPU (the AOT sm_90 compile is CI's, on the CPU)
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
+    tests/kernels/test_triton_layer_ops.py tests/workers/test_kv_transfer_cuda_ipc.py -k "not compiles_for_sm90" \
+    > "$OUT/pytest.txt" 2>&1
+echo "pytest exit $?"
+tail -40 "$OUT/gpu_check.log"
+tail -3 "$OUT/pytest.txt"
