@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.results import git_commit, loadavg, write_json
+from loadtest.results import Timed, git_commit, loadavg, write_json
 
 PHASES = ("schedule", "step_inputs", "forward", "sample", "update", "outputs")
 TOP_FUNCTIONS = 25
@@ -55,19 +55,6 @@ class _GcClock:
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self)
 
-
-class _Timed:
-    """Wraps a callable and adds up the seconds spent in it."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.seconds = fn, 0.0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
 
 
 def write_model(path: Path, tokenizer_dir: str, vocab_size: int) -> str:
@@ -102,9 +89,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     for i, ids in enumerate(prompts):
         engine.add_request(f"h{tag}-{i}", None, params, prompt_token_ids=ids, output_kind=output_kind)
     sched, runner, outputs = engine.scheduler, engine.runner, engine.outputs
-    timers = {"schedule": _Timed(sched.schedule), "step_inputs": _Timed(model_runner.build_step_inputs),
-              "forward": _Timed(runner._forward), "sample": _Timed(model_runner.sample),
-              "update": _Timed(sched.update_from_output), "outputs": _Timed(outputs.process)}
+    timers = {"schedule": Timed(sched.schedule), "step_inputs": Timed(model_runner.build_step_inputs),
+              "forward": Timed(runner._forward), "sample": Timed(model_runner.sample),
+              "update": Timed(sched.update_from_output), "outputs": Timed(outputs.process)}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
     model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"], timers["sample"]

@@ -14,25 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.results import git_commit, loadavg, write_json
+from loadtest.results import Timed, git_commit, loadavg, write_json
 
 REGEX = r"[A-Za-z0-9 ,.;:'()\n-]+"
 CONFIGS = {"none": 0.0, "half": 0.5, "all": 1.0}
 
-
-class _Timed:
-    """Wraps a callable and adds up the seconds spent in it."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
 
 
 def _run_batch(llm: Any, prompts: list[list[int]], share: float, tokens: int) -> dict[str, float]:
@@ -49,8 +35,8 @@ def _run_batch(llm: Any, prompts: list[list[int]], share: float, tokens: int) ->
         params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0, structured_outputs=so)
         engine.add_request(f"s{time.monotonic_ns()}-{i}", None, params, prompt_token_ids=ids,
                            output_kind=OutputKind.FINAL_ONLY)
-    fill, accept = _Timed(engine.structured.bitmask), _Timed(engine.structured.accept)
-    mask = _Timed(sampler.apply_token_bitmask)
+    fill, accept = Timed(engine.structured.bitmask), Timed(engine.structured.accept)
+    mask = Timed(sampler.apply_token_bitmask)
     engine.structured.bitmask, engine.structured.accept = fill, accept
     sampler.apply_token_bitmask = mask
     steps: list[float] = []
