@@ -91,7 +91,7 @@ def _long(values: list[int]) -> torch.Tensor:
 
 def _block_tables(reqs: list[Request]) -> torch.Tensor:
     """Each request's block ids, padded with zeros to the longest (0.1 instead of 0.5 ms at 256 requests
-    of ~10 blocks, on a 2-core Zen 5, than `torch.tensor` over padded lists)."""
+    of ~10 blocks, on a 2-core Zen 4, than `torch.tensor` over padded lists)."""
     width = max(len(r.block_ids) for r in reqs)
     flat = array("q", bytes(8 * width * len(reqs)))
     for i, r in enumerate(reqs):
