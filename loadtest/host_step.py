@@ -94,6 +94,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
               "update": Timed(sched.update_from_output), "outputs": Timed(outputs.process)}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
+    graphs = runner.graphs  # a decode step that replays a CUDA graph calls this instead of `_forward`
+    if graphs is not None:
+        graphs.run = Timed(graphs.run)
     model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"], timers["sample"]
     prof = cProfile.Profile() if profile else None
     walls: list[float] = []
@@ -107,6 +110,7 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
             if decoding and len(walls) >= steps:
                 break
             before = {k: t.seconds for k, t in timers.items()}
+            before["forward"] += graphs.run.seconds if graphs is not None else 0.0
             if decoding and prof is not None:
                 prof.enable()
             with clock:
@@ -121,9 +125,13 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
                 gc_counts = [a + b for a, b in zip(gc_counts, clock.collections)]
                 for k in PHASES:
                     per_phase[k].append(timers[k].seconds - before[k])
+                if graphs is not None:
+                    per_phase["forward"][-1] += graphs.run.seconds
             clock.seconds, clock.collections = 0.0, [0, 0, 0]
     finally:
         del sched.schedule, sched.update_from_output, runner._forward, outputs.process
+        if graphs is not None:
+            del graphs.run
         model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"].fn, timers["sample"].fn
         engine.abort_request(engine.unfinished_request_ids())
         while engine.has_unfinished_requests():
@@ -155,8 +163,9 @@ def run_host_step(args: argparse.Namespace) -> int:
 
     kind = OutputKind(args.output_kind)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or write_model(Path(tmp), default_model_path(), args.vocab_size)
-        engine = Engine(model=model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.batch,
+        model = args.model or write_model(Path(tmp), args.tokenizer or default_model_path(), args.vocab_size)
+        engine = Engine(model=model, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                        max_num_seqs=args.batch,
                         max_num_batched_tokens=max(2048, args.batch), max_model_len=args.prompt_len + args.steps + 64,
                         kv_cache_memory="256MiB", num_speculative_tokens=0)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
@@ -176,7 +185,7 @@ def run_host_step(args: argparse.Namespace) -> int:
             print(f"  {row['own_ms_per_step']:8.3f} ms own {row['calls_per_step']:8.1f} calls  {row['function']}")
     payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
-               "output_kind": kind.value, "dtype": args.dtype, "threads": args.threads,
+               "output_kind": kind.value, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
                "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "loadavg_1_5_15": load,
                "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}
     if args.out is not None:
@@ -197,7 +206,28 @@ def add_parser(sub: Any) -> None:
                    help="the tiny model's vocabulary: its first ids of the default tokenizer's (a smaller LM head and "
                    "argmax than the real model's, whose cost is the device's on a GPU)")
     p.add_argument("--model", default=None, help="a model folder instead of the tiny random one")
+    p.add_argument("--tokenizer", default=None, help="the folder whose tokenizer the tiny model takes (default: "
+                   "the default model's; a GPU machine without it: the GPU check's prepared folder)")
+    p.add_argument("--device", default="cpu", help="the engine's device: on cuda, forward and sample are the "
+                   "kernels' launch and the wait for them, and host is what the GPU waits for")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--profile", action="store_true", help="one more round under Python's profiler (not in the medians)")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default: print only)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m loadtest.host_step ...`: the same as `kvrelay bench host-step`, without the rest of the
+    bench's imports (a GPU machine without Ray or pydantic runs it)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest.host_step")
+    add_parser(parser.add_subparsers(dest="workload", required=True))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(["host-step", *argv])
+    args.argv = ["host-step", *argv]
+    return run_host_step(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

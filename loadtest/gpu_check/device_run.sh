@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU checks, in one call of the `device` tool (about 2 of its 7 minutes on an H200):
+# Everything a lent GPU checks, in one call of the `device` tool (about 3 of its 7 minutes on an H200):
 #
 #   here:   .venv/bin/python -m loadtest.gpu_check --prepare .gpu_check/model
 #   device: bash loadtest/gpu_check/device_run.sh         (carry [".gpu_check"], timeout_s 420)
@@ -19,5 +19,10 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_at
     tests/kernels/test_triton_layer_ops.py tests/workers/test_kv_transfer_cuda_ipc.py -k "not compiles_for_sm90" \
     > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $?"
+# the engine's own Python per decode step on this machine's CPU, the model on the GPU (graphs on)
+timeout 90 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
+    --rounds 3 --steps 48 --out "$OUT" > "$OUT/host_step.log" 2>&1
+echo "host_step exit $?"
+tail -1 "$OUT/host_step.log"
 tail -40 "$OUT/gpu_check.log"
 tail -3 "$OUT/pytest.txt"

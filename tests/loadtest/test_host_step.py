@@ -30,3 +30,25 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
     assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
     # and it measures again
     assert host_step.measure(engine, prompts, 2, OutputKind.FINAL_ONLY)["decode_steps"] == 2
+
+
+def test_steps_that_replay_decode_graphs_count_the_replay_as_forward(tmp_path, default_model_dir):
+    """With decode graphs (replayed eagerly on the CPU, as in the GPU check's dry run) a decode step calls
+    the graphs instead of the model: that call is the step's forward."""
+    from workers.cuda_graphs import eager_capture
+
+    model = host_step.write_model(tmp_path / "m", default_model_dir, vocab_size=512)
+    engine = Engine(model=model, dtype="float32", max_num_seqs=4, kv_cache_memory="16MiB", num_threads=1,
+                    num_speculative_tokens=0, max_model_len=128, attention_backend="triton")
+    engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=eager_capture)
+    graphs = engine.runner.graphs
+    result = host_step.measure(engine, host_step._prompts(4, 8, engine.vocab_size), 2, OutputKind.FINAL_ONLY)
+    assert result["decode_steps"] == 2 and result["ms_per_step"]["forward"] > 0
+    assert "run" not in vars(graphs)  # the wrapper is gone
+
+
+def test_the_module_runs_on_its_own(tmp_path, default_model_dir, capsys):
+    assert host_step.main(["--batch", "4", "--prompt-len", "8", "--steps", "2", "--rounds", "1", "--vocab-size", "512",
+                           "--tokenizer", default_model_dir, "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert "median ms per decode step at batch 4" in capsys.readouterr().out
+    assert len(list(tmp_path.glob("host-step-*.json"))) == 1
