@@ -81,6 +81,7 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any, profile: bool = False) -> dict:
     """Decode `steps` steps of the whole batch after its prefill; seconds per step by phase."""
+    from loadtest.gpu_check.engines import all_decoding
     from workers import model_runner
     from workers.sampling_params import SamplingParams
 
@@ -105,8 +106,7 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     clock = _GcClock()
     try:
         while engine.has_unfinished_requests():
-            decoding = (len(sched.running) == len(prompts)
-                        and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running))
+            decoding = all_decoding(engine, len(prompts))
             if decoding and len(walls) >= steps:
                 break
             before = {k: t.seconds for k, t in timers.items()}

@@ -87,7 +87,7 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
             return None
         before = len(self.output_text)
         new = full[len(prefix):]

@@ -65,6 +65,9 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus any prefix
         hits in `computed_blocks`, which must start the block table). False if the pool is too small."""
+        if not computed_blocks and request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * \
+                self.block_size:
+            return True  # its blocks hold them already (a decode, most steps): nothing to change
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size)

@@ -61,11 +61,11 @@ class SchedulerOutput:
     def total_num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @staticmethod
-    def samples(request: Request, num_new_tokens: int) -> bool:
-        """Whether a request scheduled for `num_new_tokens` samples a token this step (past its last token
-        are only its drafts, if any)."""
-        return request.num_computed_tokens + num_new_tokens >= request.num_tokens
+    def sample_rows(self) -> list[int]:
+        """The indices of the scheduled requests that sample a token this step: those whose chunk reaches
+        their last token (past it are only their drafts, if any)."""
+        return [i for i, (r, n) in enumerate(zip(self.requests, self.num_new_tokens))
+                if r.num_computed_tokens + n >= len(r.all_token_ids)]
 
 
 class Scheduler:
@@ -128,20 +128,13 @@ class Scheduler:
 
         limit = self.config.speculative_disable_by_batch_size
         speculate = self.config.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
-        bs = self.kv_cache.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.spec_token_ids:
                 req.spec_token_ids = []  # left by a step that never applied (it raised)
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            drafting = speculate and num_new == 1 and self._may_speculate(req)
-            if num_new == 1 and not drafting and req.num_computed_tokens < len(req.block_ids) * bs:
-                scheduled[req] = 1  # a decode whose slot is allocated: what allocate_slots would find
-                budget -= 1
-                i += 1
-                continue
-            if drafting:
+            if speculate and num_new == 1 and self._may_speculate(req):
                 drafts = self._drafts(req, budget - 1)
                 if drafts and self.kv_cache.allocate_slots(req, 1 + len(drafts)):
                     req.spec_token_ids = drafts

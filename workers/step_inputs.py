@@ -57,7 +57,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     else:
         batch = _flatten(reqs, starts, nums, block_size)
     ends = list(itertools.accumulate(nums))  # where each request's tokens end in the flat batch
-    rows = _sample_rows(out)
+    rows = out.sample_rows()
     drafts = [reqs[i].spec_token_ids for i in rows]
     # a speculating request samples at its last token and at each of its drafts
     logits_indices = _long([ends[i] - 1 - len(d) + j for i, d in zip(rows, drafts) for j in range(len(d) + 1)])
@@ -146,15 +146,9 @@ def _decode_rows(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
                   _long([r.block_ids[p // bs] * bs + p % bs for r, p in zip(owners, positions)]), list(range(n + 1)))
 
 
-def _sample_rows(out: SchedulerOutput) -> list[int]:
-    """The scheduled requests that sample this step: those whose chunk reaches their last token."""
-    return [i for i, (r, n) in enumerate(zip(out.requests, out.num_new_tokens))
-            if r.num_computed_tokens + n >= len(r.all_token_ids)]  # SchedulerOutput.samples, inlined
-
-
 def sampled_requests(out: SchedulerOutput) -> list[Request]:
     """The request of each of the step's sampling rows (a speculating request has one per token it computes)."""
-    return [out.requests[i] for i in _sample_rows(out) for _ in range(len(out.requests[i].spec_token_ids) + 1)]
+    return [out.requests[i] for i in out.sample_rows() for _ in range(len(out.requests[i].spec_token_ids) + 1)]
 
 
 def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:

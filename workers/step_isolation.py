@@ -51,8 +51,9 @@ class IsolatedStep:
         kept = SchedulerOutput(preempted=self.sched.preempted)
         tokens, logprobs = [], []
         rows = iter(zip(self.output.token_ids, self.output.logprobs))
-        for req, n in zip(self.sched.requests, self.sched.num_new_tokens):
-            row = next(rows) if self.sched.samples(req, n) else None
+        sampling = set(self.sched.sample_rows())
+        for i, (req, n) in enumerate(zip(self.sched.requests, self.sched.num_new_tokens)):
+            row = next(rows) if i in sampling else None
             if req in drop:
                 continue
             kept.requests.append(req)

@@ -81,8 +81,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
-              "requests": plan.batch,
-              "prompt_len": plan.prompt_len, "output_len": plan.output_len,
+              "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:
         step_s = statistics.median(t for t, _ in steps)

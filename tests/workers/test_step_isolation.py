@@ -30,7 +30,7 @@ def _fake_execute(poison: set[str] = frozenset(), named: set[str] = frozenset(),
             raise OverflowError("Overflow when unpacking long long")
         if len(ids) > max_batch:
             raise MemoryError("batch too large")
-        rows = [r for r, n in zip(sched.requests, sched.num_new_tokens) if sched.samples(r, n)]
+        rows = [sched.requests[i] for i in sched.sample_rows()]
         return SampleOutput([int(r.request_id[1:]) for r in rows], [None] * len(rows))
 
     return execute, calls
