@@ -34,25 +34,10 @@ bool has_avx512_bf16() {
 namespace {
 
 using kvrelay_simd::exp512;
-using kvrelay_simd::float_to_bf16;
 
 constexpr int64_t kRows = 4;  // query rows that share each K/V load
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-// Lane i of the result = the sum of the 16 lanes of v[i] (a transpose folded into the additions).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-}
 
 struct Paged {
   const uint16_t* k;
@@ -86,33 +71,89 @@ inline float exp_row(float* s, int64_t limit, int64_t n) {
   return _mm512_reduce_add_ps(vsum);
 }
 
-// acc[i] = sum over k < count of pairs(rows[i][k]) . tile[k * stride .. +16]: kRows rows share each tile
-// load; a 32-bit word holds two bfloat16 (a pair along the summed axis).
-inline void pair_dots(__m512 (&acc)[kRows], const uint32_t* const (&rows)[kRows], const uint32_t* tile, int64_t stride,
-                      int64_t count) {
-  for (int64_t i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < count; ++k) {
-    const __m512bh t = as_bh(_mm512_loadu_si512(tile + k * stride));
-    for (int64_t i = 0; i < kRows; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], as_bh(_mm512_set1_epi32(static_cast<int>(rows[i][k]))), t);
+// out[j] = dword j of each of rows r[0..15] (a 16 x 16 transpose of 32-bit words): 64 shuffles.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
+  // u[4i + j], 128-bit lane L: word 4L + j of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // a 4 x 4 transpose of 128-bit lanes within each of the four sets {r[j], r[4 + j], r[8 + j], r[12 + j]}
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), x1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), y1 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+    t[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    t[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Positions of 32 bfloat16 in `_mm512_unpacklo/hi_epi16(a, b)` -> pairs (a[d], b[d]) for d = 0..15 and 16..31.
+inline void pair_rows(__m512i a, __m512i b, __m512i& first, __m512i& second) {
+  const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+  first = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
+  second = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+}
+
+// acc[i][c] = sum over k < count of pairs(rows[i][k]) . tile[k * stride + 16c .. +16], c < T: NR rows times T
+// 16-lane tiles, NR * T sums in registers, each tile load shared by the NR rows, the pairs summed in order k.
+template <int NR, int T>
+inline void pair_dots(__m512 (&acc)[NR][2], const uint32_t* const* rows, const uint32_t* tile, int64_t stride,
+                      int64_t count) {
+  __m512 a[NR][T];
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < T; ++c) a[i][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < count; ++k) {
+    __m512bh t[T];
+    for (int c = 0; c < T; ++c) t[c] = as_bh(_mm512_loadu_si512(tile + k * stride + 16 * c));
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(rows[i][k])));
+      for (int c = 0; c < T; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], w, t[c]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int c = 0; c < T; ++c) acc[i][c] = a[i][c];
 }
 
 void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, uint16_t* out, int64_t out_token_stride,
                   int64_t q_start, int64_t q_len, int64_t ctx, int64_t kv_head, int64_t group, const int64_t* table,
                   float scale, std::vector<uint32_t>& kt, std::vector<uint32_t>& vp, std::vector<float>& scores,
                   std::vector<uint32_t>& probs) {
-  const int64_t D = pg.dim, half = D / 2;
+  const int64_t D = pg.dim, half = D / 2, DC = D / 32;
   const int64_t n = (ctx + 31) / 32 * 32;  // positions padded to whole pairs of 16-wide tiles
-  kt.assign(half * n, 0u);
-  vp.assign(n / 2 * D, 0u);
-  // kt[d2][p] = (K[p][2*d2], K[p][2*d2+1]); vp[p2][d] = (V[2*p2][d], V[2*p2+1][d]).
-  for (int64_t p = 0; p < ctx; ++p) {
-    const uint32_t* kr = reinterpret_cast<const uint32_t*>(pg.row(pg.k, table, p, kv_head));
-    for (int64_t d2 = 0; d2 < half; ++d2) kt[d2 * n + p] = kr[d2];
-    const uint16_t* vr = pg.row(pg.v, table, p, kv_head);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(vp.data() + (p / 2) * D) + (p & 1);
-    for (int64_t d = 0; d < D; ++d) dst[2 * d] = vr[d];
+  kt.resize(half * n);
+  vp.resize(n / 2 * D);
+  // kt[d2][p] = (K[p][2*d2], K[p][2*d2+1]): 16 positions' 32-dim chunks transposed at a time; positions past
+  // ctx read as zeros (their scores are masked; their V pairs are zeros, so no product is a NaN).
+  for (int64_t p0 = 0; p0 < n; p0 += 16)
+    for (int64_t c = 0; c < DC; ++c) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = p0 + i < ctx ? _mm512_loadu_si512(pg.row(pg.k, table, p0 + i, kv_head) + 32 * c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int k = 0; k < 16; ++k) _mm512_storeu_si512(kt.data() + (16 * c + k) * n + p0, r[k]);
+    }
+  // vp[p2][d] = (V[2*p2][d], V[2*p2+1][d])
+  for (int64_t p = 0; p < n; p += 2) {
+    const uint16_t* v0 = p < ctx ? pg.row(pg.v, table, p, kv_head) : nullptr;
+    const uint16_t* v1 = p + 1 < ctx ? pg.row(pg.v, table, p + 1, kv_head) : nullptr;
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512i a = v0 ? _mm512_loadu_si512(v0 + 32 * c) : _mm512_setzero_si512();
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+      __m512i first, second;
+      pair_rows(a, b, first, second);
+      _mm512_storeu_si512(vp.data() + p / 2 * D + 32 * c, first);
+      _mm512_storeu_si512(vp.data() + p / 2 * D + 32 * c + 16, second);
+    }
   }
   const int64_t rows = q_len * group;  // row r: query token r / group, head kv_head * group + r % group
   scores.resize(kRows * n);
@@ -129,31 +170,38 @@ void prefill_task(const Paged& pg, const uint16_t* q, int64_t q_token_stride, ui
       limit[i] = ctx - q_len + r / group + 1;
       max_limit = std::max(max_limit, limit[i]);
     }
-    const int64_t np = (max_limit + 15) / 16 * 16;
-    for (int64_t p = 0; p < np; p += 16) {
-      __m512 acc[kRows];
-      pair_dots(acc, qrow, kt.data() + p, n, half);
-      for (int64_t i = 0; i < kRows; ++i) _mm512_storeu_ps(scores.data() + i * n + p, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+    const int64_t np = (max_limit + 15) / 16 * 16;  // at most n
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t p = 0; p < np; p += 32) {  // 32 positions at a time, the last 16 alone
+      __m512 acc[kRows][2];
+      const int tiles = p + 32 <= np ? 2 : 1;
+      if (tiles == 2) pair_dots<kRows, 2>(acc, qrow, kt.data() + p, n, half);
+      else pair_dots<kRows, 1>(acc, qrow, kt.data() + p, n, half);
+      for (int64_t i = 0; i < kRows; ++i)
+        for (int c = 0; c < tiles; ++c) _mm512_storeu_ps(scores.data() + i * n + p + 16 * c, _mm512_mul_ps(acc[i][c], vscale));
     }
     float inv_sum[kRows];
     const uint32_t* prow[kRows];
-    const int64_t npairs = (np + 1) / 2;
+    const int64_t npairs = np / 2;
     for (int64_t i = 0; i < kRows; ++i) {
       float* s = scores.data() + i * n;
       inv_sum[i] = 1.f / exp_row(s, limit[i], np);
+      // in memory order a pair's word holds position 2k in its low half: 16 numerators to 16 bfloat16 at a
+      // time, rounded to nearest even (they are zero or normal: exp512 clamps its input above -87.3)
       uint32_t* pr = probs.data() + i * (n / 2);
       prow[i] = pr;
-      for (int64_t p2 = 0; p2 < npairs; ++p2)
-        pr[p2] = static_cast<uint32_t>(float_to_bf16(s[2 * p2])) | (static_cast<uint32_t>(float_to_bf16(s[2 * p2 + 1])) << 16);
+      for (int64_t p = 0; p < np; p += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + p / 2), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + p))));
     }
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      __m512 acc[kRows];
-      pair_dots(acc, prow, vp.data() + d0, D, npairs);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m512 acc[kRows][2];
+      pair_dots<kRows, 2>(acc, prow, vp.data() + d0, D, npairs);
       for (int64_t i = 0; i < nr; ++i) {
         const int64_t r = r0 + i;
         uint16_t* o = out + (q_start + r / group) * out_token_stride + (kv_head * group + r % group) * D + d0;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i], _mm512_set1_ps(inv_sum[i])))));
+        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][0], inv))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][1], inv))));
       }
     }
   }
@@ -185,10 +233,14 @@ void paged_prefill_attention_bf16_(torch::Tensor out, torch::Tensor q, torch::Te
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+  // tasks handed out one at a time, as `decode_all` does: chunks differ in length, and a thread another
+  // process preempts leaves its share to the others
+  std::atomic<int64_t> next{0};
+  const int64_t tasks = R * KVH, workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<uint32_t> kt, vp, probs;
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t r = task / KVH, h = task % KVH;
       prefill_task(pg, qp, q_stride, op, o_stride, qs[r], ql[r], cl[r], h, G, pg.tables + r * pg.table_width,
                    static_cast<float>(scale), kt, vp, scores, probs);
@@ -228,18 +280,73 @@ inline void prefetch_row_pair(const uint16_t* cache, const int64_t* rows, int64_
 struct DecodeScratch {
   std::vector<int64_t> rows;     // element offset of each position's K/V row (all KV heads)
   std::vector<float> scores;     // [heads, positions padded to 16]
+  std::vector<__m512i> kt;       // one tile's K rows of one KV head, transposed to pairs of dimensions
+  std::vector<int64_t> heads;    // the rows' heads e, grouped by KV head
   std::vector<uint32_t> probs;   // [heads, position pairs]: bfloat16 softmax numerators, two to a word
   std::vector<float> inv_sum;    // [heads]
   std::vector<__m512> acc;       // [heads, 2 * DC]: P.V sums in unpack order (see below)
   std::vector<__m512i> vpairs;   // [8 position pairs, KV heads, DC, lo/hi]
 };
 
+// Scores of NR query rows (head rows `es[i]` of `q`, D = 32 * DC) against one 16-position tile whose K rows
+// are transposed into pairs of dimensions (`kt`, D / 2 vectors): lane i of row e's sum is position i's dot
+// product (even and odd pairs summed apart, then added), scaled, into scores[e * n].
+template <int NR, int DC>
+inline void score_rows(const uint16_t* q, const int64_t* es, const __m512i* kt, float* scores, int64_t n, __m512 scale) {
+  const uint32_t* qr[NR];
+  for (int i = 0; i < NR; ++i) qr[i] = reinterpret_cast<const uint32_t*>(q + es[i] * DC * 32);
+  __m512 a[NR][2];  // even and odd pairs in two chains, so that 2 * NR sums are in flight
+  for (int i = 0; i < NR; ++i) a[i][0] = a[i][1] = _mm512_setzero_ps();
+  for (int k = 0; k < DC * 16; k += 2)
+    for (int h = 0; h < 2; ++h) {
+      const __m512bh tk = as_bh(kt[k + h]);
+      for (int i = 0; i < NR; ++i)
+        a[i][h] = _mm512_dpbf16_ps(a[i][h], as_bh(_mm512_set1_epi32(static_cast<int>(qr[i][k + h]))), tk);
+    }
+  for (int i = 0; i < NR; ++i) _mm512_storeu_ps(scores + es[i] * n, _mm512_mul_ps(_mm512_add_ps(a[i][0], a[i][1]), scale));
+}
+
+// P.V for NB heads over one tile: acc[b * 2 * DC + c] += the sum over position pairs p2 < count of head b's
+// numerator pair (ph[b * npairs + p2]) times V pairs v[p2 * stride + c], the pairs in order.
+template <int NB, int DC>
+inline void pv_block(__m512* acc, const uint32_t* ph, int64_t npairs, const __m512i* v, int64_t stride, int64_t count) {
+  __m512 a[NB][2 * DC];
+  for (int b = 0; b < NB; ++b)
+    for (int c = 0; c < 2 * DC; ++c) a[b][c] = acc[b * 2 * DC + c];
+  for (int64_t p2 = 0; p2 < count; ++p2) {
+    const __m512i* vp = v + p2 * stride;
+    for (int b = 0; b < NB; ++b) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(ph[b * npairs + p2])));
+      for (int c = 0; c < 2 * DC; ++c) a[b][c] = _mm512_dpbf16_ps(a[b][c], w, as_bh(vp[c]));
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int c = 0; c < 2 * DC; ++c) acc[b * 2 * DC + c] = a[b][c];
+}
+
+// `pv_block` for as many of `heads` (consecutive) as fit in registers: returns how many it took.
+template <int DC>
+inline int64_t pv_heads(int64_t heads, __m512* acc, const uint32_t* ph, int64_t npairs, const __m512i* v, int64_t stride,
+                        int64_t count) {
+  if constexpr (DC <= 2) {
+    if (heads >= 4) return pv_block<4, DC>(acc, ph, npairs, v, stride, count), 4;
+    if (heads == 3) return pv_block<3, DC>(acc, ph, npairs, v, stride, count), 3;
+  }
+  if constexpr (DC <= 4) {
+    if (heads >= 2) return pv_block<2, DC>(acc, ph, npairs, v, stride, count), 2;
+  }
+  pv_block<1, DC>(acc, ph, npairs, v, stride, count);
+  return 1;
+}
+
 // One request's queries: DC = head_dim / 32; `m` consecutive rows whose contexts are ctx, ctx + 1, ...
 // (a decode row and its drafts: `decode_groups`), all of them over `table` (the last row's), so they share
 // every K and V load. Row r's head h is "head" e = r * H + h below, and it sees the first ctx + r positions;
 // each row's numbers are those it gets alone, bit for bit (positions past its context get zero numerators,
-// whose products add zeros). Positions go in tiles of 16. Pass 1 scores a tile for
-// every query head (K rows from L1 after the first head of their KV head). Pass 2 interleaves a tile's V
+// whose products add zeros). Positions go in tiles of 16. Pass 1 transposes a tile's K rows of one KV head
+// into pairs of dimensions (`transpose16`) and scores every row of that KV head against them (`score_rows`:
+// no horizontal sums, each load shared by four rows, so a request and its drafts, m * G rows a KV head, cost
+// little more than their dot products). Pass 2 interleaves a tile's V
 // rows by position pairs (`unpacklo/hi_epi16`), so each head's sums stay in registers and take two
 // positions per `vdpbf16ps`; the numerators are rounded to bfloat16 for it, as the chunk kernel does.
 // Each load from memory is paired with a prefetch of the same lines one tile ahead (the last K tile's
@@ -264,6 +371,14 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t f
   }
   for (int64_t p = ctx; p < n; ++p) s.rows[p] = s.rows[ctx - 1];  // past ctx: a valid row, masked
   s.scores.resize(E * n);
+  s.kt.resize(DC * 16);
+  // the rows of each KV head: e = r * H + h for the m rows r and its G query heads h
+  s.heads.resize(E);
+  for (int64_t j = 0, i = 0; j < KVH; ++j)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < G; ++g) s.heads[i++] = r * H + j * G + g;
+  const int64_t per_kv = m * G;
+  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t* rows = s.rows.data() + t * 16;
     const bool last = t + 1 == tiles;  // then the tile to fetch is the first V tile
@@ -275,26 +390,30 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t f
     const bool far_ok = far_tile < tiles;
     const uint16_t* far_cache = far_k ? pg.k : pg.v;
     const int64_t* far_rows = s.rows.data() + (far_ok ? far_tile : 0) * 16;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t h = e % H, j = h / G;
-      // the first row's first head of its KV head loads the K lines; the rest hit L1
-      const bool from_memory = e < H && h % G == 0;
-      __m512bh qv[DC];
-      for (int c = 0; c < DC; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + e * D + 32 * c));
-      __m512 dots[16];
-      for (int i = 0; i < 16; ++i) {
-        if (from_memory) {  // the same KV head's lines of the next tile's row i; a trigger in the far tile
-          for (int c = 0; c < DC; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
-          if (far_ok && j == 0 && i % kL2TriggerRows == 0)
+    for (int64_t j = 0; j < KVH; ++j) {
+      // the tile's K rows of KV head j, transposed to pairs of dimensions (kt[d2] lane i: position i's
+      // dimensions 2 * d2, 2 * d2 + 1), each load paired with a prefetch of the next tile's same lines
+      for (int c = 0; c < DC; ++c) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_cache + next_rows[i] + j * D + 32 * c), _MM_HINT_T0);
+          if (far_ok && j == 0 && c == 0 && i % kL2TriggerRows == 0)
             _mm_prefetch(reinterpret_cast<const char*>(far_cache + far_rows[i]), _MM_HINT_T1);
+          r[i] = _mm512_loadu_si512(pg.k + rows[i] + j * D + 32 * c);
         }
-        const uint16_t* kr = pg.k + rows[i] + j * D;
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kr)));
-        for (int c = 1; c < DC; ++c) a = _mm512_dpbf16_ps(a, qv[c], as_bh(_mm512_loadu_si512(kr + 32 * c)));
-        dots[i] = a;
+        transpose16(r);
+        for (int k = 0; k < 16; ++k) s.kt[16 * c + k] = r[k];
       }
-      _mm512_storeu_ps(s.scores.data() + e * n + t * 16, _mm512_mul_ps(hsum16(dots), _mm512_set1_ps(scale)));
+      // every row of the KV head against the tile, up to four at a time sharing each kt load
+      const int64_t* es = s.heads.data() + j * per_kv;
+      for (int64_t i = 0; i < per_kv; i += 4) {
+        switch (std::min<int64_t>(4, per_kv - i)) {
+          case 1: score_rows<1, DC>(q, es + i, s.kt.data(), s.scores.data() + t * 16, n, vscale); break;
+          case 2: score_rows<2, DC>(q, es + i, s.kt.data(), s.scores.data() + t * 16, n, vscale); break;
+          case 3: score_rows<3, DC>(q, es + i, s.kt.data(), s.scores.data() + t * 16, n, vscale); break;
+          default: score_rows<4, DC>(q, es + i, s.kt.data(), s.scores.data() + t * 16, n, vscale); break;
+        }
+      }
     }
   }
   s.probs.resize(E * npairs);
@@ -328,20 +447,17 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t f
           dst[1] = _mm512_unpackhi_epi16(a, b);
         }
     }
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t j = (e % H) / G;
+    // heads of one row and one KV head share its V pairs and their context: NB of them at a time, 2 * DC
+    // sums each in registers (each head's sums as it gets them alone)
+    for (int64_t r = 0; r < m; ++r) {
       // a row whose context ends before this tile adds nothing here (its numerators are zero)
-      const int64_t row_pairs = std::min<int64_t>(pairs, (first_ctx + e / H - t * 16 + 1) / 2);
-      __m512* acc = s.acc.data() + e * 2 * DC;
-      __m512 a[2 * DC];
-      for (int c = 0; c < 2 * DC; ++c) a[c] = acc[c];
-      const uint32_t* ph = s.probs.data() + e * npairs + t * 8;
-      for (int64_t p2 = 0; p2 < row_pairs; ++p2) {
-        const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(ph[p2])));
-        const __m512i* v = s.vpairs.data() + (p2 * KVH + j) * DC * 2;
-        for (int c = 0; c < 2 * DC; ++c) a[c] = _mm512_dpbf16_ps(a[c], w, as_bh(v[c]));
-      }
-      for (int c = 0; c < 2 * DC; ++c) acc[c] = a[c];
+      const int64_t row_pairs = std::min<int64_t>(pairs, (first_ctx + r - t * 16 + 1) / 2);
+      for (int64_t j = 0; j < KVH; ++j)
+        for (int64_t g = 0; g < G;) {
+          const int64_t e = r * H + j * G + g;
+          g += pv_heads<DC>(G - g, s.acc.data() + e * 2 * DC, s.probs.data() + e * npairs + t * 8, npairs,
+                            s.vpairs.data() + j * DC * 2, KVH * DC * 2, row_pairs);
+        }
     }
   }
   // Unpack order: within 128-bit lane k of chunk c, lo holds d = 32c + 8k + {0..3} and hi d = 32c + 8k + {4..7}.
