@@ -116,6 +116,10 @@ def _times(fn: Callable[[], Any], sync: Callable[[], None], min_reps: int = 3, m
 # Memory reads are sampled for a second: on a shared host a neighbour's burst halved a 0.1 s sample's best (21
 # against 51 GB/s minutes apart), and the best of a longer window is the ceiling a run can reach.
 _READ_REPS = dict(min_reps=5, max_reps=200, min_seconds=1.0)
+# The compute-roofline matmuls likewise, half a second each: a 0.1 s sample once put the layer shapes at 217
+# GFLOP/s in a run between two that measured 436 (docs/results/zen4-20261204b/side-first/engine-burst.log), which
+# would have credited that run with 1.33 of its compute roofline.
+_MATMUL_REPS = dict(min_reps=3, max_reps=1000, min_seconds=0.5)
 
 
 def _rate(work: float, times: list[float]) -> tuple[float, float]:
@@ -170,11 +174,12 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
         for m in shape.matmuls:
             x, w = uniform(rows, m.in_features), uniform(m.out_features, m.in_features)
             best[m.name], median[m.name] = (r / 1e9 for r in _rate(rows * m.flops_per_row,
-                                                                   _times(lambda: F.linear(x, w), sync)))
+                                                                   _times(lambda: F.linear(x, w), sync, **_MATMUL_REPS)))
             if not on_cuda and packable(w):
                 p = torch.ops.mkldnn._reorder_linear_weight(w, None)
                 rate, rate_median = (r / 1e9 for r in _rate(rows * m.flops_per_row,
-                                                            _times(lambda: linear_packed(x, p, None), sync)))
+                                                            _times(lambda: linear_packed(x, p, None), sync,
+                                                                   **_MATMUL_REPS)))
                 packed[m.name] = rate
                 if rate > best[m.name]:
                     best[m.name], median[m.name] = rate, rate_median

@@ -136,7 +136,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
         engine.abort_request(engine.unfinished_request_ids())
         while engine.has_unfinished_requests():
             engine.step()
-    n = max(len(walls), 1)
+    if not walls:
+        raise RuntimeError(f"no decode-only step of all {len(prompts)} requests was measured")
+    n = len(walls)
     ms = {k: 1e3 * sum(v) / n for k, v in per_phase.items()}
     ms["step"] = 1e3 * sum(walls) / n
     ms["other"] = ms["step"] - sum(ms[k] for k in PHASES)
@@ -164,10 +166,13 @@ def run_host_step(args: argparse.Namespace) -> int:
     kind = OutputKind(args.output_kind)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_model(Path(tmp), args.tokenizer or default_model_path(), args.vocab_size)
+        max_model_len = args.prompt_len + args.steps + 64
+        # room for the whole batch at its longest, whatever the model's layers (a fixed size left a real
+        # model's batch preempting, never all decoding at once)
         engine = Engine(model=model, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                        max_num_seqs=args.batch,
-                        max_num_batched_tokens=max(2048, args.batch), max_model_len=args.prompt_len + args.steps + 64,
-                        kv_cache_memory="256MiB", num_speculative_tokens=0)
+                        max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
+                        max_model_len=max_model_len, num_kv_blocks=args.batch * -(-max_model_len // 16) + 16,
+                        block_size=16, num_speculative_tokens=0)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
         measure(engine, prompts[:8], 4, kind)  # warm-up
         load = [loadavg()]
