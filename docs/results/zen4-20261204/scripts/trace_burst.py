@@ -3,7 +3,8 @@ import time, statistics, sys
 from serving.llm import LLM
 from loadtest.workloads import burst_requests
 from loadtest.offline import generate_token_ids, BenchRequest
-llm = LLM(None)
+import os
+llm = LLM(None, num_speculative_tokens=int(os.environ.get("SPEC", "4")))  # SPEC=0: no drafts
 eng = llm.engine
 reqs = burst_requests(llm.tokenizer, 256)
 generate_token_ids(llm, [BenchRequest(reqs[0].prompt_token_ids[:8], 2)])
