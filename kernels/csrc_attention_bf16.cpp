@@ -97,11 +97,17 @@ inline void transpose16(__m512i (&r)[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// Positions of 32 bfloat16 in `_mm512_unpacklo/hi_epi16(a, b)` -> pairs (a[d], b[d]) for d = 0..15 and 16..31.
+// Unpack order: `_mm512_unpacklo/hi_epi16(a, b)` of 32 bfloat16 put, in 128-bit lane k, the pairs of
+// d = 8k + {0..3} in lo and d = 8k + {4..7} in hi. `_mm512_permutex2var_*(lo, unpack_first(), hi)` gathers
+// d = 0..15 in order, `unpack_second()` d = 16..31.
+inline __m512i unpack_first() { return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); }
+inline __m512i unpack_second() { return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31); }
+
+// Pairs (a[d], b[d]) of 32 bfloat16, for d = 0..15 and 16..31.
 inline void pair_rows(__m512i a, __m512i b, __m512i& first, __m512i& second) {
   const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-  first = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
-  second = _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+  first = _mm512_permutex2var_epi32(lo, unpack_first(), hi);
+  second = _mm512_permutex2var_epi32(lo, unpack_second(), hi);
 }
 
 // acc[i][c] = sum over k < count of pairs(rows[i][k]) . tile[k * stride + 16c .. +16], c < T: NR rows times T
@@ -460,9 +466,8 @@ void decode_request(const Paged& pg, const uint16_t* q, uint16_t* out, int64_t f
         }
     }
   }
-  // Unpack order: within 128-bit lane k of chunk c, lo holds d = 32c + 8k + {0..3} and hi d = 32c + 8k + {4..7}.
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  // the sums are in unpack order (chunk c's lo and hi: d = 32c + 8k + {0..3} and {4..7} in lane k)
+  const __m512i first = unpack_first(), second = unpack_second();
   for (int64_t e = 0; e < E; ++e) {
     const __m512 inv = _mm512_set1_ps(s.inv_sum[e]);
     const __m512* acc = s.acc.data() + e * 2 * DC;

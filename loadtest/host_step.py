@@ -33,6 +33,7 @@ from loadtest.results import Timed, git_commit, loadavg, write_json
 
 PHASES = ("schedule", "step_inputs", "forward", "sample", "update", "outputs")
 TOP_FUNCTIONS = 25
+BLOCK_SIZE = 16  # the engine's default
 
 
 class _GcClock:
@@ -171,8 +172,9 @@ def run_host_step(args: argparse.Namespace) -> int:
         # model's batch preempting, never all decoding at once)
         engine = Engine(model=model, dtype=args.dtype, device=args.device, num_threads=args.threads,
                         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
-                        max_model_len=max_model_len, num_kv_blocks=args.batch * -(-max_model_len // 16) + 16,
-                        block_size=16, num_speculative_tokens=0)
+                        max_model_len=max_model_len, block_size=BLOCK_SIZE,
+                        num_kv_blocks=args.batch * -(-max_model_len // BLOCK_SIZE) + 16,  # 16 to spare
+                        num_speculative_tokens=0)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
         measure(engine, prompts[:8], 4, kind)  # warm-up
         load = [loadavg()]
