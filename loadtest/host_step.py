@@ -7,9 +7,10 @@ that detokenizing costs what it costs) whose forward pass is cheap: `--batch` re
 every decode-only step is split into its phases, each timed where the engine calls it:
 
 - `schedule`: `Scheduler.schedule` (the token budget, KV slots);
-- `step_inputs`: `build_step_inputs` (the flat batch, block tables, slot mapping, sampling specs);
+- `step_inputs`: `build_step_inputs` (the flat batch, block tables, slot mapping, sampling specs), or
+  `build_ahead_inputs` for a step queued ahead (`--async-scheduling`);
 - `forward`: the model itself (device work on a GPU);
-- `sample`: the sampler, its tensor ops and its per-row Python;
+- `sample`: the sampler, its tensor ops and its per-row Python, and the wait for its copy back;
 - `update`: `Scheduler.update_from_output` (tokens applied, stops, prefix-cache publishing);
 - `outputs`: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s);
 - `other`: the rest of `Engine.step`.
@@ -84,6 +85,7 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     """Decode `steps` steps of the whole batch after its prefill; seconds per step by phase."""
     from loadtest.gpu_check.engines import all_decoding
     from workers import model_runner
+    from workers.sampler import PendingSample
     from workers.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -92,17 +94,25 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
         engine.add_request(f"h{tag}-{i}", None, params, prompt_token_ids=ids, output_kind=output_kind)
     sched, runner, outputs = engine.scheduler, engine.runner, engine.outputs
     timers = {"schedule": Timed(sched.schedule), "step_inputs": Timed(model_runner.build_step_inputs),
-              "forward": Timed(runner._forward), "sample": Timed(model_runner.sample),
+              "forward": Timed(runner._forward), "sample": Timed(model_runner.launch_sample),
               "update": Timed(sched.update_from_output), "outputs": Timed(outputs.process)}
+    # a second timer in some phases: a step queued ahead builds its inputs apart; the sampler's wait
+    more = {"step_inputs": Timed(model_runner.build_ahead_inputs), "sample": Timed(PendingSample.result)}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
     graphs = runner.graphs  # a decode step that replays a CUDA graph calls this instead of `_forward`
     if graphs is not None:
         graphs.run = Timed(graphs.run)
-    model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"], timers["sample"]
+    model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"], timers["sample"]
+    model_runner.build_ahead_inputs = more["step_inputs"]
+    PendingSample.result = lambda pending: more["sample"](pending)
+
+    def seconds(phase: str) -> float:
+        return timers[phase].seconds + (more[phase].seconds if phase in more else 0.0)
     prof = cProfile.Profile() if profile else None
     walls: list[float] = []
     per_phase: dict[str, list[float]] = {k: [] for k in PHASES}
+    schedules = 0  # steps that called the scheduler (with async scheduling, most run a step queued ahead)
     gc_s, gc_counts = 0.0, [0, 0, 0]
     clock = _GcClock()
     try:
@@ -110,7 +120,8 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
             decoding = all_decoding(engine, len(prompts))
             if decoding and len(walls) >= steps:
                 break
-            before = {k: t.seconds for k, t in timers.items()}
+            before = {k: seconds(k) for k in timers}
+            scheduled = timers["schedule"].calls
             before["forward"] += graphs.run.seconds if graphs is not None else 0.0
             if decoding and prof is not None:
                 prof.enable()
@@ -124,8 +135,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
                 walls.append(wall)
                 gc_s += clock.seconds
                 gc_counts = [a + b for a, b in zip(gc_counts, clock.collections)]
+                schedules += timers["schedule"].calls > scheduled
                 for k in PHASES:
-                    per_phase[k].append(timers[k].seconds - before[k])
+                    per_phase[k].append(seconds(k) - before[k])
                 if graphs is not None:
                     per_phase["forward"][-1] += graphs.run.seconds
             clock.seconds, clock.collections = 0.0, [0, 0, 0]
@@ -133,7 +145,8 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
         del sched.schedule, sched.update_from_output, runner._forward, outputs.process
         if graphs is not None:
             del graphs.run
-        model_runner.build_step_inputs, model_runner.sample = timers["step_inputs"].fn, timers["sample"].fn
+        model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"].fn, timers["sample"].fn
+        model_runner.build_ahead_inputs, PendingSample.result = more["step_inputs"].fn, more["sample"].fn
         engine.abort_request(engine.unfinished_request_ids())
         while engine.has_unfinished_requests():
             engine.step()
@@ -145,7 +158,7 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     ms["other"] = ms["step"] - sum(ms[k] for k in PHASES)
     ms["host"] = ms["step"] - ms["forward"] - ms["sample"]
     ms["gc"] = 1e3 * gc_s / n  # inside whichever phases the collections fell in
-    result = {"decode_steps": len(walls), "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
+    result = {"decode_steps": len(walls), "scheduled_steps": schedules, "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
               "gc_collections_by_generation": gc_counts}
     if prof is not None:
         stats = pstats.Stats(prof).stats
@@ -174,7 +187,7 @@ def run_host_step(args: argparse.Namespace) -> int:
                         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
                         max_model_len=max_model_len, block_size=BLOCK_SIZE,
                         num_kv_blocks=args.batch * -(-max_model_len // BLOCK_SIZE) + 16,  # 16 to spare
-                        num_speculative_tokens=0)
+                        num_speculative_tokens=0, async_scheduling=args.async_scheduling)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
         measure(engine, prompts[:8], 4, kind)  # warm-up
         load = [loadavg()]
@@ -192,7 +205,7 @@ def run_host_step(args: argparse.Namespace) -> int:
             print(f"  {row['own_ms_per_step']:8.3f} ms own {row['calls_per_step']:8.1f} calls  {row['function']}")
     payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
-               "output_kind": kind.value, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
+               "output_kind": kind.value, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
                "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "loadavg_1_5_15": load,
                "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}
     if args.out is not None:
@@ -217,6 +230,8 @@ def add_parser(sub: Any) -> None:
                    "the default model's; a GPU machine without it: the GPU check's prepared folder)")
     p.add_argument("--device", default="cpu", help="the engine's device: on cuda, forward and sample are the "
                    "kernels' launch and the wait for them, and host is what the GPU waits for")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue each decode step behind the one before (default: the engine's, on for one GPU)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--profile", action="store_true", help="one more round under Python's profiler (not in the medians)")

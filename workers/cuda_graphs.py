@@ -79,7 +79,11 @@ class DecodeGraphs:
         self.sizes = batch_ladder(max_batch)
         self.max_blocks = max_blocks
         self.device = device
-        self._host = _Buffers.make(max_batch, max_blocks, torch.device("cpu"), pin=device.type == "cuda")
+        # two host buffers taken in turn: one is written while the copy from the other may still be queued
+        # behind the step in flight (`Engine.async_scheduling`)
+        self._hosts = [_Buffers.make(max_batch, max_blocks, torch.device("cpu"), pin=device.type == "cuda")
+                       for _ in range(2)]
+        self._host = self._hosts[0]
         self._dev = _Buffers.make(max_batch, max_blocks, device, pin=False)
         # every row samples: the logits rows of a step of `size` are rows[:size]
         self.rows = torch.arange(max_batch, device=device)
@@ -118,11 +122,14 @@ class DecodeGraphs:
         h.block_tables[n:size] = 0
         h.query_start_loc[n:size + 1] = torch.arange(n, size + 1)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata) -> torch.Tensor:
-        """Logits ([n, vocab]) of a decode-only step of `n` requests, by replaying the padded size's graph."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata,
+            device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ([n, vocab]) of a decode-only step of `n` requests, by replaying the padded size's graph.
+        `device_ids` (on the device) replace `input_ids` (a step queued behind the one whose sampled ids
+        they are)."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
-        h = self._host
+        self._host = h = self._hosts[1] if self._host is self._hosts[0] else self._hosts[0]
         h.input_ids[:n] = input_ids
         h.positions[:n] = positions
         h.slot_mapping[:n] = common.slot_mapping
@@ -133,6 +140,8 @@ class DecodeGraphs:
         h.query_start_loc[:n + 1] = common.query_start_loc
         self._pad(n, size)
         self._dev.flat.copy_(h.flat, non_blocking=True)
+        if device_ids is not None:
+            self._dev.input_ids[:n].copy_(device_ids)
         replay, logits = self._graphs[size]
         replay()
         return logits[:n]

@@ -7,6 +7,7 @@ pass, and the output processor owns text, stop strings, logprobs and `RequestOut
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,11 +25,14 @@ from workers.penalties import bad_words_token_ids
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
+from workers.sampler import PendingSample
 from workers.sampling_params import SamplingParams, check_int
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.sizing import resolve_device, resolve_max_model_len
-from workers.step_isolation import execute_isolating
+from workers.step_isolation import IsolatedStep, execute_isolating
 from workers.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -82,6 +86,14 @@ class _PendingOutputs:
     prompt_logprobs: dict
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A decode step queued on the device and not yet applied (`Engine.async_scheduling`)."""
+
+    sched: SchedulerOutput
+    pending: PendingSample
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -130,6 +142,11 @@ class Engine:
         self.overlap_outputs = (isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
                                 and not config.disable_async_output_proc)
         self._pending: _PendingOutputs | None = None
+        # On one GPU without speculation, each decode step is queued behind the one the device runs (`step`).
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None else
+                                 isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
+                                 and not config.num_speculative_tokens)
+        self._inflight: _InFlight | None = None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""
@@ -266,12 +283,46 @@ class Engine:
         third of it under Python's profiler (docs/benchmarks.md). A step then reports the previous step's
         outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
         true until they are out; a stop string found then finishes its request, whose token from the step
-        in flight is dropped, as if it had not been scheduled."""
+        in flight is dropped, as if it had not been scheduled.
+
+        With `async_scheduling` (one GPU without speculation) a decode step goes further: before the host
+        waits for it, the next decode step of the same requests is queued behind it on the device, its input
+        ids read there from this step's sampled ids (`_run_ahead`), so that the host applies this step and
+        makes its outputs while the device runs the next. The next `step()` call collects that step (and
+        queues the one after), with no scheduling of its own, as long as nothing else waits: no request
+        waiting to be admitted, every request sampling with a spec that does not change step to step (no
+        penalties, bans or grammars), a free slot for every one. A request that this step ends (a stop token,
+        a stop string, an abort) computes one token more in the step queued behind, which is dropped, and
+        gives back its blocks as if it had not been scheduled."""
         self.failed = {}
-        sched = self.scheduler.schedule()
-        if not sched.requests:
-            return self._take_pending()
-        self.outputs.mark_scheduled(sched.admitted, time.monotonic())
+        current, self._inflight = self._inflight, None
+        if current is None:
+            sched = self.scheduler.schedule()
+            if not sched.requests:
+                return self._take_pending()
+            self.outputs.mark_scheduled(sched.admitted, time.monotonic())
+            current = self._launch(sched) if self.async_scheduling else None
+            if current is None:
+                return self._step_in_turn(sched)
+        self._inflight = self._run_ahead(current)
+        try:
+            earlier = self._take_pending()  # outputs left by a step before (the device is busy meanwhile)
+        except BaseException:
+            self._inflight = None  # queued on tokens not applied: the requests are scheduled again from here
+            raise
+        try:
+            run = IsolatedStep(current.sched, current.pending.result())
+        except Exception:
+            # the step ahead was queued on inputs it never had: drop it, and run this one again the usual way
+            # (a request that breaks it fails alone)
+            self._inflight = None
+            run = execute_isolating(self.runner.execute, current.sched)
+        self._apply(run)
+        return earlier + self._take_pending()
+
+    def _step_in_turn(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Run `sched` and wait for it; with `overlap_outputs`, the last step's outputs are made while the
+        device runs it and this step's are left for the next."""
         earlier: list[RequestOutput] = [] if self.overlap_outputs else self._take_pending()
         made: list[list[RequestOutput]] = []
         errors: list[BaseException] = []
@@ -293,9 +344,17 @@ class Engine:
         if errors:
             raise errors[0]
         earlier += made[0] if made else []
+        self._apply(run)
+        if self.overlap_outputs:
+            return earlier
+        return earlier + self._take_pending()
+
+    def _apply(self, run: IsolatedStep) -> None:
+        """Fail the step's failed requests, apply the sampled tokens of the others (not of those finished
+        since it was scheduled) and leave their outputs pending."""
         if run.failed:
             self._fail(run.failed)
-        finished = {r for r in run.sched.requests if r.status.finished}  # failed, or stopped by `make_pending`
+        finished = {r for r in run.sched.requests if r.status.finished}  # failed, stopped or aborted meanwhile
         if finished:
             run = run.without(finished)
         self._computed_tokens += run.sched.total_num_tokens
@@ -304,9 +363,53 @@ class Engine:
         if self.structured.active:
             sampled, logprobs = self._advance_grammars(sampled, logprobs)
         self._pending = _PendingOutputs(sampled, logprobs, run.output.prompt_logprobs)
-        if self.overlap_outputs:
-            return earlier
-        return earlier + self._take_pending()
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight | None:
+        """`sched` queued on the device without waiting, if it is a decode-only step without drafts that may
+        be run ahead of (`_may_run_ahead`); None otherwise, or if it could not be queued."""
+        if not all(n == 1 and not r.spec_token_ids and r.num_computed_tokens + 1 == len(r.all_token_ids)
+                   for r, n in zip(sched.requests, sched.num_new_tokens)) or not self._may_run_ahead(sched):
+            return None
+        try:
+            return _InFlight(sched, self.runner.launch(sched))
+        except Exception:
+            logger.debug("step not queued ahead; running it in turn", exc_info=True)
+            return None
+
+    def _may_run_ahead(self, sched: SchedulerOutput) -> bool:
+        """Whether the decode step after `sched` may be queued before `sched`'s tokens are known: nothing
+        waits to be admitted, no grammar is active, and each request samples with a spec that no longer
+        changes (none bans tokens for now or reads its token history: `Request.sample_spec`), and none keeps
+        its KV for a transfer."""
+        s = self.scheduler
+        return (not len(s.waiting) and not s.pending_forks and not self.structured.active
+                and all(r.sample_spec is not None and not r.hold_kv for r in sched.requests))
+
+    def _run_ahead(self, current: _InFlight) -> _InFlight | None:
+        """The decode step after `current`, queued behind it on the device before its tokens are known, for
+        its requests that go on: not finished since, and with room for a token after the one in flight (which
+        may be their last by `max_tokens`, within `max_model_len`). None if it may not run ahead (see `step`)."""
+        if not self._may_run_ahead(current.sched):
+            return None
+        reqs, rows = [], []
+        bs = self.kv_cache.block_size
+        for i, r in enumerate(current.sched.requests):
+            # its token in flight may be its last (max_tokens, which add_request keeps within max_model_len)
+            if r.status.finished or len(r.all_token_ids) + 1 - r.num_prompt_tokens >= r.max_tokens:
+                continue
+            if r.num_computed_tokens + 2 > len(r.block_ids) * bs and not self.kv_cache.allocate_slots(r, 2):
+                return None  # the scheduler decides (preempts) in turn
+            reqs.append(r)
+            rows.append(i)
+        if not reqs:
+            return None
+        try:
+            pending = self.runner.launch_ahead(reqs, current.pending, None if len(rows) == len(current.sched.requests)
+                                               else rows)
+        except Exception:
+            logger.debug("step not queued ahead; running it in turn", exc_info=True)
+            return None
+        return _InFlight(SchedulerOutput(reqs, [1] * len(reqs)), pending)
 
     def _take_pending(self) -> list[RequestOutput]:
         """Make the outputs of the step whose tokens were applied last (those of requests still tracked: an

@@ -18,9 +18,10 @@ from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
 from workers.ngram import accept_drafts
-from workers.sampler import RowBitmask, SampleOutput, sample
+from workers.request import Request
+from workers.sampler import PendingSample, RowBitmask, SampleOutput, launch_sample
 from workers.scheduler import SchedulerOutput
-from workers.step_inputs import StepInputs, build_step_inputs, sampled_requests
+from workers.step_inputs import StepInputs, build_ahead_inputs, build_step_inputs, sampled_requests
 from workers.step_isolation import RequestsFailed
 from workers.structured_output import StructuredOutputManager
 
@@ -43,7 +44,10 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
-        self._staging = torch.empty(0, dtype=torch.long)
+        # Two pinned staging buffers taken in turn: a step's inputs are written into one while the copy
+        # from the other may still be queued behind the step in flight (`Engine.async_scheduling`).
+        self._staging = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]
+        self._turn = 0
         # called once a step's kernels are queued, before the step waits for them (see `Engine.step`)
         self.before_sync: Callable[[], None] | None = None
         torch.manual_seed(seed)
@@ -66,10 +70,12 @@ class ModelRunner:
         if self.device.type == "cpu":
             return parts
         total = sum(p.numel() for p in parts)
-        if self._staging.numel() < total:
-            self._staging = torch.empty(max(total, 2 * self._staging.numel()), dtype=torch.long,
-                                        pin_memory=self.device.type == "cuda")
-        flat = self._staging[:total]
+        self._turn ^= 1
+        staging = self._staging[self._turn]
+        if staging.numel() < total:
+            staging = self._staging[self._turn] = torch.empty(max(total, 2 * staging.numel()), dtype=torch.long,
+                                                               pin_memory=self.device.type == "cuda")
+        flat = staging[:total]
         torch.cat(parts, out=flat)
         dev = flat.to(self.device, non_blocking=True)
         return list(dev.split([p.numel() for p in parts]))
@@ -140,6 +146,22 @@ class ModelRunner:
             step.allowed = self.structured.bitmask(sampled_requests(out))
         return self._sample(logits, step, targets)
 
+    def launch(self, out: SchedulerOutput) -> PendingSample:
+        """A decode-only step without drafts, queued on the device and not waited for (see
+        `Engine.async_scheduling`)."""
+        step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
+        logits, _ = self._forward_step(step)
+        return self._sample(logits, step, defer=True)
+
+    def launch_ahead(self, reqs: list[Request], after: PendingSample, rows: list[int] | None) -> PendingSample:
+        """The decode step of `reqs` after the step `after` (still on the device), queued behind it: each
+        request's input is its token from `after` (row `rows[i]` of its sampled ids; all rows in order when
+        `rows` is None), read on the device (`build_ahead_inputs`)."""
+        step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
+        ids = after.tokens if rows is None else after.tokens[torch.tensor(rows).to(self.device, non_blocking=True)]
+        logits, _ = self._forward_step(step, ids)
+        return self._sample(logits, step, defer=True)
+
     def run(self, step: StepInputs) -> SampleOutput:
         """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`); a
         grammar bitmask that came with the step (on the host) moves to this runner's device."""
@@ -154,26 +176,31 @@ class ModelRunner:
         decode-only step replays a CUDA graph when one is captured for its size)."""
         return self._forward_step(step)[0]
 
-    def _forward_step(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_step(self, step: StepInputs, input_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits and, with a prompt-logprobs plan, the prompt tokens its extra rows score (on
-        the device, in the same copy as the inputs)."""
+        the device, in the same copy as the inputs). `input_ids`, on the device, replace the step's own."""
         common, plan = step.common, step.prompt_logprobs
         if (plan is None and self.graphs is not None and len(step.samples) == common.query_lens.shape[0]
                 and self.graphs.supports(common)):
-            return self.graphs.run(step.input_ids, step.positions, common), None
+            return self.graphs.run(step.input_ids, step.positions, common, input_ids), None
         parts = [step.input_ids, step.positions, step.logits_indices]
         if plan is not None:
             parts = [step.input_ids, step.positions, torch.cat([step.logits_indices, torch.tensor(plan.indices)]),
                      torch.tensor(plan.targets)]
         ids, positions, logits_indices, *targets = self._to_device(parts)
+        if input_ids is not None:
+            ids = input_ids
         logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
         return logits, targets[0] if targets else None
 
-    def _sample(self, logits: torch.Tensor, step: StepInputs, targets: torch.Tensor | None = None) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, step: StepInputs, targets: torch.Tensor | None = None,
+                defer: bool = False):
         """Sample one row per `step.samples` (the first rows of `logits`; the rest, with `targets`, are the
         prompt-logprobs plan's). Raises `RequestsFailed` naming the requests whose seeded generator could
         not be built; if sampling fails, seeded generators are put back as they were, so a retry draws the
-        same noise. Grammar-constrained rows sample from their allowed tokens."""
+        same noise. Grammar-constrained rows sample from their allowed tokens. `defer`: return the
+        `PendingSample` without waiting for it (a step without drafts or prompt logprobs)."""
         specs, plan = step.samples, step.prompt_logprobs
         extra = None
         if plan is not None:
@@ -190,8 +217,14 @@ class ModelRunner:
             raise RequestsFailed(failures)
         states = [(g, g.get_state()) for g in gens if g is not None]
         try:
-            result = sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
-                            [s.history for s in specs], extra, step.allowed, self.model.ops.argmax, self.before_sync)
+            pending = launch_sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
+                                    [s.history for s in specs], extra, step.allowed, self.model.ops.argmax)
+            if defer:
+                assert plan is None and not step.drafts, "only a step without drafts or prompt logprobs is deferred"
+                return pending
+            if self.before_sync is not None:
+                self.before_sync()
+            result = pending.result()
         except BaseException:
             for g, state in states:
                 g.set_state(state)

@@ -16,6 +16,15 @@ from workers.sampling_params import SamplingParams
 History = tuple[list[int], int]
 
 
+def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor of `values` on `device`. On a GPU it goes through pinned memory without waiting: a plain
+    `torch.tensor(..., device="cuda")` waits for every kernel queued before it, which would stall a step
+    queued behind the one the device is running (`Engine.async_scheduling`)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[rows, vocab] float32 counts of each row's tokens."""
     counts = torch.zeros(len(lists), vocab, device=device)
@@ -55,7 +64,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
-    idx = torch.tensor(rows, device=logits.device)
+    idx = device_tensor(rows, logits.device)
     sub = [params[i] for i in rows]
     x = logits[idx].float()
     _apply_logit_bias(x, sub)
@@ -72,7 +81,7 @@ def apply_min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     if not any(m > 0 for m in min_p):
         return x
     probs = x.softmax(-1)
-    threshold = torch.tensor(min_p, device=x.device)[:, None] * probs.max(-1, keepdim=True).values
+    threshold = device_tensor(min_p, x.device)[:, None] * probs.max(-1, keepdim=True).values
     return x.masked_fill(probs < threshold, float("-inf"))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.layer_ops import TorchLayerOps
-from workers.penalties import History, adjust_logits, apply_min_p
+from workers.penalties import History, adjust_logits, apply_min_p, device_tensor
 from workers.sampling_params import SamplingParams
 
 
@@ -80,8 +80,8 @@ def _sample_filtered(x: torch.Tensor, top_k: list[int], top_p: list[float], u: t
     the probability goes through the full sort instead."""
     n, vocab = x.shape
     dev = x.device
-    k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=dev)
-    p = torch.tensor(top_p, dtype=torch.float, device=dev)
+    k = device_tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], dev)
+    p = device_tensor(top_p, dev, torch.float)
     if dev.type != "cpu":  # a device sorts fast, and this way no step waits for it
         return _inverse_cdf(_apply_top_k_top_p(x, k, p).softmax(-1), u)
     nucleus = TOP_P_CANDIDATES if any(pp < 1 for pp in top_p) else 1
@@ -144,6 +144,23 @@ def apply_token_bitmask(logits: torch.Tensor, allowed: RowBitmask) -> torch.Tens
     return logits.index_put((allowed.rows,), rows)
 
 
+@dataclass(slots=True)
+class PendingSample:
+    """A step's sampling, queued on the device: `tokens` (the sampled ids, [rows] int64) stay there for a
+    step queued behind this one (`Engine.async_scheduling`); `result()` waits for the copy back and reads
+    everything the step reports."""
+
+    tokens: torch.Tensor
+    _host: torch.Tensor  # the step's one device-to-host copy (pinned memory on a GPU)
+    _done: object | None  # a CUDA event recorded after that copy; None on the CPU
+    _read: Callable[[list], SampleOutput]
+
+    def result(self) -> SampleOutput:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._read(self._host.tolist())
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
            extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
@@ -156,6 +173,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     `allowed`: the tokens that grammar-constrained rows may take; `argmax`: each row's first maximum (the
     model's layer ops give a compiled one on the CPU); `before_sync`: called once every kernel of the step is
     queued, just before the copy back waits for them (on a GPU, host work done there overlaps the step)."""
+    pending = launch_sample(logits, params, generators, banned, histories, extra, allowed, argmax)
+    if before_sync is not None:
+        before_sync()
+    return pending.result()
+
+
+def launch_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
+                  extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
+                  argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax) -> PendingSample:
+    """`sample`'s kernels and its copy back, queued without waiting for them (see `PendingSample`)."""
     raw = logits
     logits = _mask_banned(logits, banned or [])
     if allowed is not None:
@@ -166,10 +194,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = greedy_tokens
     dev = logits.device
     if random_rows:
-        idx = torch.tensor(random_rows, device=dev)
+        idx = device_tensor(random_rows, dev)
         sub = [params[i] for i in random_rows]
         x = logits.to(torch.float32, copy=True) if len(sub) == len(params) else logits[idx].float()  # a copy
-        x.div_(torch.tensor([p.temperature for p in sub], device=dev)[:, None])
+        x.div_(device_tensor([p.temperature for p in sub], dev)[:, None])
         x = apply_min_p(x, [p.min_p for p in sub])
         u = torch.rand(len(sub), dtype=torch.float64, device=dev)
         for row, i in enumerate(random_rows):
@@ -181,7 +209,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             if not part:
                 continue
             whole = len(part) == len(sub)  # then no copy of the logits
-            rows = None if whole else torch.tensor(part, device=dev)
+            rows = None if whole else device_tensor(part, dev)
             xs, us = (x, u) if whole else (x[rows], u[rows])
             got = (_sample_filtered(xs, [sub[r].top_k for r in part], [sub[r].top_p for r in part], us) if filtered
                    else _inverse_cdf(xs.softmax(-1), us))
@@ -194,14 +222,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     tail = [] if extra is None else [extra.double()]
+    n = len(params)
     if not want:
-        if before_sync is not None:
-            before_sync()
         if not tail:
-            return SampleOutput(tokens.tolist(), [None] * len(params))  # the step's one device-to-host copy
-        host = torch.cat([tokens.double(), *tail]).tolist()
-        return SampleOutput([int(t) for t in host[:len(params)]], [None] * len(params), extra=host[len(params):])
-    idx = torch.tensor(want, device=dev)
+            return _copy_back(tokens, tokens, lambda host: SampleOutput(host, [None] * n))
+        return _copy_back(tokens, torch.cat([tokens.double(), *tail]),
+                          lambda host: SampleOutput([int(t) for t in host[:n]], [None] * n, extra=host[n:]))
+    idx = device_tensor(want, dev)
     lp = raw[idx].float().log_softmax(-1)
     chosen = tokens[idx]
     chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
@@ -211,14 +238,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     # One copy back for everything: float64 holds token ids and ranks exactly, and float32 logprobs too.
     packed = torch.cat([chosen_lp[:, None].double(), ranks[:, None].double(), top_ids.double(), top_lp.double()], 1)
     flat = torch.cat([tokens.double(), packed.flatten(), *tail])
-    if before_sync is not None:
-        before_sync()
-    host = flat.tolist()
-    token_list = [int(t) for t in host[:len(params)]]
-    rows = host[len(params):len(params) + packed.numel()]
-    width = 2 + 2 * k
-    logprobs: list = [None] * len(params)
-    for row, i in enumerate(want):
-        n, r = params[i].logprobs, rows[row * width:(row + 1) * width]
-        logprobs[i] = (r[0], int(r[1]), [int(t) for t in r[2:2 + n]], r[2 + k:2 + k + n])
-    return SampleOutput(token_list, logprobs, extra=host[len(params) + packed.numel():])
+    num_packed = packed.numel()
+
+    def read(host: list) -> SampleOutput:
+        rows = host[n:n + num_packed]
+        width = 2 + 2 * k
+        logprobs: list = [None] * n
+        for row, i in enumerate(want):
+            m, r = params[i].logprobs, rows[row * width:(row + 1) * width]
+            logprobs[i] = (r[0], int(r[1]), [int(t) for t in r[2:2 + m]], r[2 + k:2 + k + m])
+        return SampleOutput([int(t) for t in host[:n]], logprobs, extra=host[n + num_packed:])
+
+    return _copy_back(tokens, flat, read)
+
+
+def _copy_back(tokens: torch.Tensor, flat: torch.Tensor, read: Callable[[list], SampleOutput]) -> PendingSample:
+    """`flat` (everything the step reports) queued for the host: on a GPU into pinned memory, with an event
+    to wait for; on the CPU it is there already."""
+    if flat.device.type != "cuda":
+        return PendingSample(tokens, flat, None, read)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return PendingSample(tokens, host, done, read)

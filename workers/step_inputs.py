@@ -127,10 +127,7 @@ def _decode_rows(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
     2-core Zen 5, than through `_flatten` (a one-row step of SmolLM2-135M takes ~8 ms there)."""
     n = len(reqs)
     if not any(r.spec_token_ids for r in reqs):  # one row per request
-        return _Batch(_long([r.all_token_ids[s] for r, s in zip(reqs, starts)]), _long(starts),
-                      torch.ones(n, dtype=torch.long), torch.arange(n + 1), _long([s + 1 for s in starts]),
-                      _block_tables(reqs), _long([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]),
-                      list(range(n + 1)))
+        return _one_row_each(reqs, _long([r.all_token_ids[s] for r, s in zip(reqs, starts)]), starts, bs)
     ids, positions, owners = [], [], []
     for r, s in zip(reqs, starts):
         ids.append(r.all_token_ids[s])
@@ -144,6 +141,27 @@ def _decode_rows(reqs: list[Request], starts: list[int], bs: int) -> _Batch:
     return _Batch(_long(ids), _long(positions), torch.ones(n, dtype=torch.long), torch.arange(n + 1),
                   _long([p + 1 for p in positions]), _block_tables(owners),
                   _long([r.block_ids[p // bs] * bs + p % bs for r, p in zip(owners, positions)]), list(range(n + 1)))
+
+
+def _one_row_each(reqs: list[Request], input_ids: torch.Tensor, starts: list[int], bs: int) -> _Batch:
+    """One decode row per request, at position `starts[i]`."""
+    n = len(reqs)
+    return _Batch(input_ids, _long(starts), torch.ones(n, dtype=torch.long), torch.arange(n + 1),
+                  _long([s + 1 for s in starts]), _block_tables(reqs),
+                  _long([r.block_ids[s // bs] * bs + s % bs for r, s in zip(reqs, starts)]), list(range(n + 1)))
+
+
+def build_ahead_inputs(reqs: list[Request], block_size: int, num_heads: int, num_kv_heads: int) -> StepInputs:
+    """The decode step after the one in flight (`Engine.async_scheduling`), for requests whose token from it
+    is not known yet: each one row at the position after that token, over blocks allocated for it. The
+    input ids are placeholders (zeros): the runner takes them from the step in flight's sampled ids, on the
+    device. Every request must sample with a spec that no longer changes (`Request.sample_spec`)."""
+    starts = [r.num_computed_tokens + 1 for r in reqs]
+    batch = _one_row_each(reqs, torch.zeros(len(reqs), dtype=torch.long), starts, block_size)
+    common = CommonAttentionMetadata(batch.query_lens, batch.query_start_loc, batch.context_lens, batch.block_tables,
+                                     batch.slot_mapping, block_size, num_heads, num_kv_heads)
+    return StepInputs(batch.input_ids, batch.positions, torch.arange(len(reqs)), common,
+                      [r.sample_spec for r in reqs])
 
 
 def sampled_requests(out: SchedulerOutput) -> list[Request]:

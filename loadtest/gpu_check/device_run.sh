@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU checks, in one call of the `device` tool (about 3 of its 7 minutes on an H200):
+# Everything a lent GPU checks, in one call of the `device` tool (about 4 of its 7 minutes on an H200):
 #
 #   here:   .venv/bin/python -m loadtest.gpu_check --prepare .gpu_check/model
 #   device: bash loadtest/gpu_check/device_run.sh         (carry [".gpu_check"], timeout_s 420)
@@ -23,6 +23,10 @@ echo "pytest exit $?"
 timeout 90 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
     --rounds 3 --steps 48 --out "$OUT" > "$OUT/host_step.log" 2>&1
 echo "host_step exit $?"
-tail -1 "$OUT/host_step.log"
+# the same without async scheduling (each step queued once the one before is done): the A/B
+timeout 60 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
+    --rounds 2 --steps 48 --no-async-scheduling --out "$OUT" > "$OUT/host_step_in_turn.log" 2>&1
+echo "host_step in turn exit $?"
+tail -1 "$OUT/host_step.log" "$OUT/host_step_in_turn.log"
 tail -40 "$OUT/gpu_check.log"
 tail -3 "$OUT/pytest.txt"

@@ -68,11 +68,13 @@ def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
 
 
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
-                     overlap: bool | None = None) -> dict:
+                     overlap: bool | None = None, ahead: bool | None = None) -> dict:
     """`overlap`: make each step's outputs during the next step (`Engine.overlap_outputs`, forced on for the
-    dry run on the CPU); False: `disable_async_output_proc`; None: the engine's default, on for a GPU."""
+    dry run on the CPU); False: `disable_async_output_proc`; None: the engine's default, on for a GPU.
+    `ahead`: `async_scheduling` (each decode step queued behind the one before; True runs it on the CPU too);
+    None: the engine's default, on for a GPU."""
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=plan.batch,
-                         in_step_outputs=overlap is False)
+                         in_step_outputs=overlap is False, async_scheduling=ahead)
     by_default = engine.overlap_outputs
     if overlap:
         engine.overlap_outputs = True
@@ -81,6 +83,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
+              "async_scheduling": engine.async_scheduling,
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:

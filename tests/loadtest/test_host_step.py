@@ -7,6 +7,7 @@ from loadtest import host_step
 from workers import model_runner
 from workers.engine import Engine
 from workers.output_processor import OutputKind
+from workers.sampler import PendingSample
 
 
 def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp_path, default_model_dir):
@@ -14,16 +15,18 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
     engine = Engine(model=model, dtype="float32", max_num_seqs=4, kv_cache_memory="16MiB", num_threads=1,
                     num_speculative_tokens=0, max_model_len=128)
     prompts = host_step._prompts(4, 8, engine.vocab_size)
-    build, sample = model_runner.build_step_inputs, model_runner.sample
+    build, sample, ahead = model_runner.build_step_inputs, model_runner.launch_sample, model_runner.build_ahead_inputs
+    result_fn = PendingSample.result
     result = host_step.measure(engine, prompts, 3, OutputKind.DELTA, profile=True)
     ms = result["ms_per_step"]
-    assert result["decode_steps"] == 3
+    assert result["decode_steps"] == 3 and result["scheduled_steps"] == 3
     assert all(ms[k] > 0 for k in host_step.PHASES)
     assert abs(ms["step"] - sum(ms[k] for k in host_step.PHASES) - ms["other"]) < 1e-3  # each rounded to 0.1 us
     assert abs(ms["host"] - (ms["step"] - ms["forward"] - ms["sample"])) < 1e-3
     assert result["profile_top_own_time"] and sum(result["gc_collections_by_generation"]) >= 0
     # the wrappers are gone and nothing is left running
-    assert model_runner.build_step_inputs is build and model_runner.sample is sample
+    assert model_runner.build_step_inputs is build and model_runner.launch_sample is sample
+    assert model_runner.build_ahead_inputs is ahead and PendingSample.result is result_fn
     for obj, name in ((engine.scheduler, "schedule"), (engine.scheduler, "update_from_output"),
                       (engine.runner, "_forward"), (engine.outputs, "process")):
         assert name not in vars(obj)
@@ -45,6 +48,19 @@ def test_steps_that_replay_decode_graphs_count_the_replay_as_forward(tmp_path, d
     result = host_step.measure(engine, host_step._prompts(4, 8, engine.vocab_size), 2, OutputKind.FINAL_ONLY)
     assert result["decode_steps"] == 2 and result["ms_per_step"]["forward"] > 0
     assert "run" not in vars(graphs)  # the wrapper is gone
+
+
+def test_steps_queued_ahead_are_split_into_the_same_phases(tmp_path, default_model_dir):
+    """With async scheduling a decode step is not scheduled: it builds the next step's inputs (step_inputs),
+    runs it (forward, sample) and waits for its own tokens (sample)."""
+    model = host_step.write_model(tmp_path / "m", default_model_dir, vocab_size=512)
+    engine = Engine(model=model, dtype="float32", max_num_seqs=4, kv_cache_memory="16MiB", num_threads=1,
+                    num_speculative_tokens=0, max_model_len=128, async_scheduling=True)
+    result = host_step.measure(engine, host_step._prompts(4, 8, engine.vocab_size), 4, OutputKind.FINAL_ONLY)
+    ms = result["ms_per_step"]
+    assert result["decode_steps"] == 4 and result["scheduled_steps"] <= 1  # the first, after the prefill
+    assert all(ms[k] > 0 for k in ("step_inputs", "forward", "sample", "update", "outputs"))
+    assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
 
 
 def test_the_module_runs_on_its_own(tmp_path, default_model_dir, capsys):

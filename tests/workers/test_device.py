@@ -68,6 +68,25 @@ def test_decode_graph_ladder_and_padding_replay_the_eager_tokens(tiny_model_dir,
     assert 4 in replays
 
 
+def test_decode_graphs_with_async_scheduling_replay_the_eager_tokens(tiny_model_dir, reference):
+    """Steps queued ahead replay the graphs with their input ids copied on the device from the step before's
+    sampled ids, and with the host buffers taken in turn."""
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
+              num_speculative_tokens=0, async_scheduling=True)
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len, capture=eager_capture)
+    launch_ahead, ahead = runner.launch_ahead, []
+
+    def counted(*args, **kwargs):
+        pending = launch_ahead(*args, **kwargs)
+        ahead.append(len(args[0]))
+        return pending
+
+    runner.launch_ahead = counted
+    assert _greedy(llm) == reference
+    assert len(ahead) >= 10 and 4 in ahead
+
+
 def test_batch_ladder():
     assert batch_ladder(1) == [1]
     assert batch_ladder(8) == [1, 2, 4, 8]
@@ -155,12 +174,16 @@ def test_a_tensor_that_forgets_its_device_is_caught(tiny_model_dir):
     captured = {}
     import workers.model_runner as mr
 
-    original = mr.sample
-    mr.sample = lambda logits, *a: captured.setdefault("logits", logits)
+    class Sampled:  # what `launch_sample` returns, read at once
+        def result(self) -> None:
+            return None
+
+    original = mr.launch_sample
+    mr.launch_sample = lambda logits, *a: (captured.setdefault("logits", logits), Sampled())[1]
     try:
         runner.execute(out)
     finally:
-        mr.sample = original
+        mr.launch_sample = original
     assert captured["logits"].device == meta and captured["logits"].shape == (2, model.args.vocab_size)
 
 

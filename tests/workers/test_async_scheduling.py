@@ -1,0 +1,209 @@
+"""Async scheduling (`Engine.async_scheduling`, on by default on one GPU): each decode step is queued behind
+the one in flight, its input ids read from that step's sampled ids on the device. On the CPU, forced on, every
+step runs as it is queued, so what is checked here is the bookkeeping: the same requests give the same outputs
+as step by step (stop tokens, stop strings, max_tokens reached at different steps, seeds, logprobs,
+min_tokens, penalties, n > 1, aborts and requests arriving while steps run ahead), a request a step ends does
+not count the token computed for it in the step queued behind, and every block goes back to the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers.engine import Engine
+from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 17, list(range(300, 303)), list(range(7, 30))]
+
+
+def _engine(model: str, **kw) -> Engine:
+    engine = Engine(model=model, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
+                    max_num_batched_tokens=32, num_speculative_tokens=0, **kw)  # chunks, decodes and mixed steps
+    assert not engine.async_scheduling  # off on the CPU by default
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    # without prefix caching, so that a run computes the same tokens whichever ran before it
+    return _engine(tiny_model_dir, enable_prefix_caching=False)
+
+
+class _Counting:
+    """Counts the steps the runner queued ahead, and those it failed to (the engine would run them in turn)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.ahead, self.failed, self.last_position = runner, 0, 0, 0
+        self.launch_ahead = runner.launch_ahead
+
+    def __call__(self, *args, **kwargs):
+        self.last_position = max([self.last_position] + [r.num_computed_tokens + 1 for r in args[0]])
+        try:
+            pending = self.launch_ahead(*args, **kwargs)
+        except Exception:
+            self.failed += 1
+            raise
+        self.ahead += 1
+        return pending
+
+
+def _run(engine: Engine, ahead: bool, requests: list[tuple[list[int], SamplingParams]],
+         kind: OutputKind = OutputKind.FINAL_ONLY, between=None) -> dict[str, list]:
+    """Every output each request reported, in order, the tokens the steps computed, and how many steps ran
+    ahead. `between(engine, step_index)` runs after each step (aborts, new requests)."""
+    engine.async_scheduling = ahead
+    counting = _Counting(engine.runner)
+    engine.runner.launch_ahead = counting
+    computed = engine.get_stats().computed_tokens
+    for i, (ids, params) in enumerate(requests):
+        engine.add_request(f"q{i}", None, params, prompt_token_ids=ids, output_kind=kind)
+    got: dict[str, list] = {}
+    steps = 0
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).append(
+                    [(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason, _rounded(c.logprobs))
+                     for c in out.outputs] + [out.finished])
+            if between is not None:
+                between(engine, steps)
+            steps += 1
+            assert steps < 500
+    finally:
+        del engine.runner.launch_ahead
+    engine._inflight = None  # left by the last requests' abort, if any
+    assert engine._pending is None and engine.kv_cache.usage == 0
+    got["computed_tokens"] = engine.get_stats().computed_tokens - computed
+    got["ahead"] = counting.ahead
+    got["last_position_ahead"] = counting.last_position
+    assert counting.failed == 0
+    return got
+
+
+def _rounded(logprobs):
+    if logprobs is None:
+        return None
+    return [{t: (round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in pos.items()} for pos in logprobs]
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def _same(plain: dict, ahead: dict) -> None:
+    assert ahead["ahead"] > 0, "no step ran ahead"
+    assert plain["ahead"] == 0
+    mine = ("ahead", "last_position_ahead")
+    assert {k: v for k, v in ahead.items() if k not in mine} == {k: v for k, v in plain.items() if k not in mine}
+
+
+def test_greedy_requests_ending_at_different_steps(engine):
+    reqs = [(p, _greedy(n)) for p, n in zip(PROMPTS, [3, 14, 9, 1, 20])]
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    # nearly every decode step ran ahead: the steps are the longest request's decodes after the prefills
+    assert ahead["ahead"] >= 14
+
+
+def test_requests_reaching_max_model_len_are_not_run_past_it(tiny_model_dir):
+    """A request whose token in flight fills max_model_len is left out of the step queued behind: there is no
+    position after it (the rotary table ends there)."""
+    engine = _engine(tiny_model_dir, enable_prefix_caching=False, max_model_len=48)
+    reqs = [(PROMPTS[1], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)),  # 40 + 8: the limit
+            (PROMPTS[0], _greedy(30))]
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert len(ahead["q0"][-1][0][2]) == 8 and ahead["q0"][-1][0][3] == "length"
+    assert ahead["last_position_ahead"] == 46  # the row that samples the last token; none after it
+
+
+def test_stop_tokens_and_stop_strings_found_while_the_next_step_runs(engine):
+    plain = _run(engine, False, [(p, _greedy(14)) for p in PROMPTS])
+    tokens = [plain[f"q{i}"][-1][0][2] for i in range(len(PROMPTS))]
+    texts = [plain[f"q{i}"][-1][0][1] for i in range(len(PROMPTS))]
+    reqs = []
+    for i, p in enumerate(PROMPTS):
+        if i % 2:  # a stop token partway
+            reqs.append((p, SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[tokens[i][5]])))
+        else:  # a stop string partway
+            t = texts[i]
+            reqs.append((p, _greedy(14, stop=[t[len(t) // 3: len(t) // 3 + 3]])))
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert any(out[-1][0][3] == "stop" for k, out in plain.items() if k.startswith("q"))
+
+
+def test_seeds_logprobs_min_tokens_penalties_and_n(engine):
+    reqs = [(PROMPTS[0], SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)),
+            (PROMPTS[1], SamplingParams(max_tokens=10, temperature=0.8, top_k=20, top_p=0.9, seed=3, logprobs=2,
+                                        ignore_eos=True)),
+            (PROMPTS[2], SamplingParams(max_tokens=9, temperature=0, min_tokens=6, logprobs=0)),
+            (PROMPTS[3], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True)),
+            (PROMPTS[4], SamplingParams(max_tokens=7, n=2, temperature=1.0, seed=11, ignore_eos=True))]
+    plain = _run(engine, False, reqs, OutputKind.DELTA)
+    ahead = _run(engine, True, reqs, OutputKind.DELTA)
+    _same(plain, ahead)
+
+
+def test_aborts_and_requests_arriving_while_steps_run_ahead(engine):
+    late = (PROMPTS[2], _greedy(6))
+
+    def between(e: Engine, step: int) -> None:
+        if step == 6:
+            e.abort_request("q1")
+        if step == 8:
+            e.add_request("late", None, late[1], prompt_token_ids=late[0], output_kind=OutputKind.FINAL_ONLY)
+
+    reqs = [(p, _greedy(16)) for p in PROMPTS[:3]]
+    plain = _run(engine, False, reqs, between=between)
+    ahead = _run(engine, True, reqs, between=between)
+    _same(plain, ahead)
+    assert "late" in ahead and ahead["late"][-1][-1]  # the late request was admitted and finished
+
+
+def test_aborting_every_request_leaves_a_step_in_flight_that_the_next_step_drops(engine):
+    engine.async_scheduling = True
+    try:
+        for i, p in enumerate(PROMPTS[:2]):
+            engine.add_request(f"a{i}", None, _greedy(30), prompt_token_ids=p)
+        while engine._inflight is None:
+            engine.step()
+        engine.abort_request(["a0", "a1"])
+        assert not engine.has_unfinished_requests() and engine.kv_cache.usage == 0
+        engine.add_request("b", None, _greedy(4), prompt_token_ids=PROMPTS[3], output_kind=OutputKind.FINAL_ONLY)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == 4
+        assert engine._inflight is None and engine.kv_cache.usage == 0
+    finally:
+        engine.async_scheduling = False
+
+
+def test_with_prefix_caching(tiny_model_dir):
+    """Requests sharing a prefix, whose blocks are published as their decodes fill them while steps run
+    ahead: the same outputs, and the next run hits the same prefixes."""
+    engine = _engine(tiny_model_dir)
+    shared = list(range(500, 540))
+    reqs = [(shared + [i], _greedy(20 + i)) for i in range(4)]
+    first = _run(engine, True, reqs)
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert {k: v for k, v in first.items() if k.startswith("q")} == {k: v for k, v in plain.items() if k.startswith("q")}
+    assert engine.kv_cache.prefix_cache_hits > 0
+
+
+def test_async_scheduling_option(tiny_model_dir):
+    from workers.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculation"):
+        EngineConfig(async_scheduling=True)  # num_speculative_tokens defaults to 4
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(async_scheduling=True, num_speculative_tokens=0, tensor_parallel_size=2)
+    e = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
+               num_speculative_tokens=0, async_scheduling=True)
+    assert e.async_scheduling
