@@ -3,13 +3,15 @@ machine without a GPU (Triton ships its own ptxas). `python -m kernels.triton_ao
 line: how many variants compiled and which failed, so GPU-only compile errors surface in CPU-only CI.
 
 Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
-shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA), the store row width, and for
+shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
+attention uses (`DECODE_CONFIG`, `CHUNK_CONFIG`), the store row width, and for
 the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import sys
 
@@ -38,7 +40,7 @@ def compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import _paged_attention_kernel, _store_kv_kernel, tile_shape
+    from kernels.triton_attention import CHUNK_CONFIG, DECODE_CONFIG, _paged_attention_kernel, _store_kv_kernel, tile_shape
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
 
     target = GPUTarget("cuda", arch, 32)
@@ -54,15 +56,16 @@ def compile_all(arch: int) -> dict:
 
     for short in DTYPES:
         ptr = f"*{short}"
-        for group, head_dim in SHAPES:
+        for (group, head_dim), config in itertools.product(SHAPES, sorted({DECODE_CONFIG, CHUNK_CONFIG}, key=str)):
             block_q, group_p, head_dim_p = tile_shape(group, head_dim)
             upcast = short == "fp32"
             consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
-                          BLOCK_N=32, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+                          BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
             pointers = {n: ptr for n in ("q_ptr", "k_cache", "v_cache", "out_ptr")}
             pointers.update({n: "*i64" for n in ("block_tables", "seq_lens", "query_start_loc")})
             sig, cx = _signature(_paged_attention_kernel, pointers, {"scale"}, consts)
-            build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim}")
+            build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim} {config}",
+                  {"num_warps": config.num_warps, "num_stages": config.num_stages})
         for row in STORE_ROWS:
             pointers = {n: ptr for n in ("key", "value", "k_cache", "v_cache")}
             pointers["slot_mapping"] = "*i64"

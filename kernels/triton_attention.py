@@ -124,6 +124,30 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stri
     tl.store(v_cache + block * stride_vb + offset * stride_vs + cols, v, mask=ok)
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
+    stages of the key loop (Triton's `num_warps`, `num_stages`)."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "num_warps"):
+            value = getattr(self, name)
+            if value < 16 and name == "block_n" or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two (block_n at least 16), got {value}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be positive, got {self.num_stages}")
+
+
+# Read at every launch (the GPU check's `attention_sweep` times others and may set the fastest for its run):
+# steps whose every sequence has one query token (decode steps, the captured graphs), and the others.
+DECODE_CONFIG = LaunchConfig()
+CHUNK_CONFIG = LaunchConfig()
+
+
 def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
     """Programs for a batch of `num_tokens` query tokens in `num_seqs` sequences: enough tiles for any
     split of the tokens between the sequences (each sequence may leave one tile partly empty)."""
@@ -138,15 +162,18 @@ def tile_shape(group: int, head_dim: int) -> tuple[int, int, int]:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, block_n: int = 32) -> torch.Tensor:
+                    scale: float, config: LaunchConfig | None = None) -> torch.Tensor:
     """Causal attention of `query` ([tokens, heads, head_dim], sequences contiguous and in order) over the
     paged caches ([blocks, block_size, kv_heads, head_dim]); `seq_lens` count cached plus new tokens,
-    `query_start_loc` ([seqs + 1]) delimits each sequence's query tokens. Writes and returns `out`."""
+    `query_start_loc` ([seqs + 1]) delimits each sequence's query tokens. Writes and returns `out`.
+    `config`: default `DECODE_CONFIG` when there are as many tokens as sequences, else `CHUNK_CONFIG`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if k_cache.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in query, caches and out")
     num_seqs = seq_lens.shape[0]
+    if config is None:
+        config = DECODE_CONFIG if num_tokens == num_seqs else CHUNK_CONFIG
     group = num_heads // num_kv_heads
     block_q, group_p, head_dim_p = tile_shape(group, head_dim)
     grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)
@@ -156,8 +183,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_size,
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q, BLOCK_N=block_n,
-        UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
+        BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -108,7 +108,8 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 
 SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "throughput", "decode_profile", "pd_handoff", "tensor_parallel")
+            "greedy_speculative_vs_plain", "attention_sweep", "throughput", "decode_profile", "pd_handoff",
+            "tensor_parallel")
 
 
 def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None,
@@ -122,7 +123,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import greedy_parity, pd_handoff, profile, tensor_parallel
+    from loadtest.gpu_check import attention_sweep, greedy_parity, pd_handoff, profile, tensor_parallel
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -148,6 +149,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab))
     section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab))
     section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
+    section("attention_sweep", lambda: attention_sweep.sweep(plan))
     section("throughput", lambda: throughput(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
@@ -162,6 +164,13 @@ def summary(report: dict) -> str:
     for name, data in report["checks"].items():
         extra = data.get("reason") or data.get("error") or ""
         lines.append(f"  {name:26s} {data['status']:8s} {extra}".rstrip())
+    sw = report["checks"].get("attention_sweep", {})
+    for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
+        c = row["config"]
+        lines.append(f"  decode attention block_n {c['block_n']} warps {c['num_warps']} stages {c['num_stages']}: "
+                     f"{row['us']:.1f} us, {row['kv_gb_s']:.0f} GB/s ({row['of_copy_bandwidth']:.0%} of copy)")
+    if sw.get("applied"):
+        lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")
     tp = report["checks"].get("throughput", {})
     for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step"):
         b = tp.get("batch", {}).get(kind, {})

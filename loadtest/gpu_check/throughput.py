@@ -67,6 +67,13 @@ def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
     return {"wall_s": time.perf_counter() - start, "output_tokens": outputs, "decode_steps": steps}
 
 
+def _decode_config() -> dict:
+    from kernels import triton_attention as ta
+    from loadtest.gpu_check.attention_sweep import vars_of
+
+    return vars_of(ta.DECODE_CONFIG)
+
+
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
                      overlap: bool | None = None, ahead: bool | None = None) -> dict:
     """`overlap`: make each step's outputs during the next step (`Engine.overlap_outputs`, forced on for the
@@ -83,7 +90,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
-              "async_scheduling": engine.async_scheduling,
+              "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:

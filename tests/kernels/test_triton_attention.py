@@ -17,7 +17,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
-from kernels.triton_attention import attention_grid, paged_attention, store_kv, tile_shape  # noqa: E402
+from kernels import triton_attention  # noqa: E402
+from kernels.triton_attention import LaunchConfig, attention_grid, paged_attention, store_kv, tile_shape  # noqa: E402
 from test_cpu_attention import dense_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +68,40 @@ def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim):
         expected.append(dense_reference(query[start:start + q_len].cpu(), k, v, q_len, ctx))
         start += q_len
     torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("config", [LaunchConfig(16, 2, 1), LaunchConfig(64, 8, 2), LaunchConfig(128, 4, 3)])
+def test_launch_configs_give_the_same_attention(config):
+    """Other key tile widths (one that splits a block of 32, ones that span blocks of 16), warps and stages:
+    the same result on mixed and decode-only batches."""
+    for batch in (BATCH, [(1, 40), (1, 129), (1, 7)]):
+        query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, 16, 9, 3, 64, torch.float32)
+        default = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
+        other = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125, config)
+        torch.testing.assert_close(other, default, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_steps_take_the_decode_config(monkeypatch):
+    """A step of one token per sequence launches with `DECODE_CONFIG`, any other with `CHUNK_CONFIG`."""
+    seen = []
+    real = triton_attention._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((kwargs["BLOCK_N"], kwargs["num_warps"], kwargs["num_stages"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy())
+    monkeypatch.setattr(triton_attention, "DECODE_CONFIG", LaunchConfig(64, 8, 2))
+    monkeypatch.setattr(triton_attention, "CHUNK_CONFIG", LaunchConfig(16, 2, 1))
+    for batch in ([(1, 40), (1, 7)], [(1, 40), (3, 7)]):
+        query, kc, vc, tables, seq_lens, qsl, _, _ = _paged_case(batch, 16, 4, 2, 32, torch.float32)
+        paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
+    assert seen == [(64, 8, 2), (16, 2, 1)]
+    with pytest.raises(ValueError, match="block_n"):
+        LaunchConfig(block_n=24)
 
 
 def test_grid_covers_any_split_of_the_tokens():

@@ -12,13 +12,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "throughput", "decode_profile", "pd_handoff", "tensor_parallel"]
+            "greedy_speculative_vs_plain", "attention_sweep", "throughput", "decode_profile", "pd_handoff",
+            "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
 sys.modules["pydantic"] = None
 import loadtest.gpu_check.run, loadtest.gpu_check.engines, loadtest.gpu_check.greedy_parity
 import loadtest.gpu_check.kernel_parity, loadtest.gpu_check.throughput, loadtest.gpu_check.pd_handoff
+import loadtest.gpu_check.attention_sweep
 import kernels.triton_attention, workers.cuda_graphs, workers.kv_transfer
 from loadtest.gpu_check.pd_handoff import transport_available
 transport_available()
@@ -73,7 +75,13 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert all(c["max_abs_error"] <= c["tolerance"] for c in cases)
     for name in ("greedy_cpu_vs_device", "greedy_graphs_on_vs_off"):
         assert checks[name]["identical_fraction"] == 1.0 and checks[name]["all_match"]
+    sweep = checks["attention_sweep"]
+    assert len(sweep["configs"]) >= 2 and all(r["ok"] and r["us"] > 0 for r in sweep["configs"])
+    assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
     tp = checks["throughput"]
+    assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
+                                                        "graphs_outputs_in_step")] == [True, True, False, False]
+    assert tp["batch"]["graphs"]["decode_attention_config"] == sweep["default"]
     assert not tp["targets_applied"] and set(tp["targets"]) == {"decode_roofline_fraction_with_graphs",
                                                                  "batch1_graphs_over_eager"}
     for kind in ("graphs", "eager"):
