@@ -227,7 +227,11 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         def put(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return t.to(device=self.device, dtype=dtype, non_blocking=True)
+            if self.device.type != "cuda" or t.device.type != "cpu":
+                return t.to(device=self.device, dtype=dtype, non_blocking=True)
+            # through pinned memory: a copy from pageable memory may wait for the kernels queued before it
+            # (a step queued behind the one in flight, `Engine.async_scheduling`)
+            return t.to(dtype).pin_memory().to(self.device, non_blocking=True)
 
         return TritonAttentionMetadata(put(common.slot_mapping, torch.long), put(common.block_tables, torch.long),
                                        put(common.context_lens, torch.long), put(common.query_start_loc, torch.long))

@@ -18,6 +18,7 @@ from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
 from workers.ngram import accept_drafts
+from workers.penalties import device_tensor
 from workers.request import Request
 from workers.sampler import PendingSample, RowBitmask, SampleOutput, launch_sample
 from workers.scheduler import SchedulerOutput
@@ -158,7 +159,7 @@ class ModelRunner:
         request's input is its token from `after` (row `rows[i]` of its sampled ids; all rows in order when
         `rows` is None), read on the device (`build_ahead_inputs`)."""
         step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
-        ids = after.tokens if rows is None else after.tokens[torch.tensor(rows).to(self.device, non_blocking=True)]
+        ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
         logits, _ = self._forward_step(step, ids)
         return self._sample(logits, step, defer=True)
 
