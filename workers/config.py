@@ -59,7 +59,7 @@ class EngineConfig:
               "known (the next step's inputs are its sampled ids, read on the device), so the host's work for a "
               "step overlaps the device's; a request a step ends computes one token more, dropped. Decode steps "
               "of requests whose sampling needs no token history only; not with speculation nor tensor "
-              "parallelism. Default: on for one GPU without speculation.")
+              "parallelism; default: on for one GPU without speculation.")
     tensor_parallel_size: int = _opt(1, "Split every layer over this many ranks (Ray actors joined by gloo on the "
                                         "CPU, NCCL on CUDA), one bundle each in the replica's placement group.")
     distributed_timeout_s: float = _opt(300.0, "Tensor parallelism: a step that a rank has not finished within this "

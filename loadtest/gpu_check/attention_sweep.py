@@ -11,6 +11,7 @@ measures the engine with it (the JSON says which config each measured)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -90,7 +91,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         configs.insert(0, default)
     rows = []
     for config in configs:
-        row: dict = {"config": vars_of(config)}
+        row: dict = {"config": dataclasses.asdict(config)}
         try:
             diff = (launch(config).float() - reference).abs().max().item()
             seconds = _time(lambda: launch(config), device, repeats if not plan.dry_run else 1)
@@ -100,7 +101,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
             row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)
     good = [r for r in rows if r.get("ok")]
-    base = next(r for r in rows if r["config"] == vars_of(default))
+    base = next(r for r in rows if r["config"] == dataclasses.asdict(default))
     best = min(good, key=lambda r: r["us"]) if good else None
     applied = None
     if best is not None and base.get("us") and best["us"] * APPLY_GAIN <= base["us"] and not plan.dry_run:
@@ -109,8 +110,4 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     return {"passed": base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows),
             "batch": plan.batch, "context_tokens": x["context_tokens"], "kv_bytes": x["kv_bytes"],
             "copy_bandwidth_gb_s": bandwidth / 1e9,
-            "default": vars_of(default), "best": best, "applied": applied, "configs": rows}
-
-
-def vars_of(config) -> dict:
-    return {"block_n": config.block_n, "num_warps": config.num_warps, "num_stages": config.num_stages}
+            "default": dataclasses.asdict(default), "best": best, "applied": applied, "configs": rows}

@@ -4,6 +4,7 @@ and one request's decode speed."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -69,9 +70,8 @@ def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
 
 def _decode_config() -> dict:
     from kernels import triton_attention as ta
-    from loadtest.gpu_check.attention_sweep import vars_of
 
-    return vars_of(ta.DECODE_CONFIG)
+    return dataclasses.asdict(ta.DECODE_CONFIG)
 
 
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
