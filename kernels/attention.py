@@ -55,6 +55,14 @@ class AttentionBackend(ABC, Generic[M]):
                  meta: M) -> None:
         """Store `key`/`value` ([num_tokens, num_kv_heads, head_dim]) into their slots."""
 
+    def rope_and_write_kv(self, qk: torch.Tensor, value: torch.Tensor, rope: tuple, ops, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: M) -> None:
+        """Rotate the step's queries and keys in place (`qk`: [num_tokens, num_heads + num_kv_heads, head_dim],
+        the keys last; `rope`: the cos and sin tables and each token's position) with the layer ops' `rope_`,
+        then store the keys and `value` into their slots. A backend may do both in one kernel."""
+        ops.rope_(qk, *rope)
+        self.write_kv(k_cache, v_cache, qk[:, qk.shape[1] - value.shape[1]:], value, meta)
+
     @abstractmethod
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: M,
                 scale: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ SHAPES = [(1, 64), (3, 64), (2, 32), (4, 128), (8, 128), (1, 128)]  # (query hea
 STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
 NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
 ROPE_SHAPES = [(9 + 3, 64), (32 + 8, 128), (8 + 2, 32)]  # (query + KV heads, head_dim)
+ROPE_STORE_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 2, 32)]  # (query heads, KV heads, head_dim)
 
 
 def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> tuple[dict, dict]:
@@ -40,7 +41,8 @@ def compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import CHUNK_CONFIG, DECODE_CONFIG, _paged_attention_kernel, _store_kv_kernel, tile_shape
+    from kernels.triton_attention import (CHUNK_CONFIG, DECODE_CONFIG, _paged_attention_kernel, _rope_store_kv_kernel,
+                                          _store_kv_kernel, tile_shape)
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
 
     target = GPUTarget("cuda", arch, 32)
@@ -71,6 +73,14 @@ def compile_all(arch: int) -> dict:
             pointers["slot_mapping"] = "*i64"
             sig, cx = _signature(_store_kv_kernel, pointers, set(), dict(ROW=row, ROW_P=triton.next_power_of_2(row)))
             build(_store_kv_kernel, sig, cx, f"store_kv {short} row={row}")
+        for heads, kv_heads, head_dim in ROPE_STORE_SHAPES:
+            pointers = {n: ptr for n in ("qk_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache", "v_cache")}
+            pointers.update({"pos_ptr": "*i64", "slot_mapping": "*i64"})
+            consts = dict(HALF=head_dim // 2, HEADS_P=triton.next_power_of_2(heads + kv_heads),
+                          HALF_P=triton.next_power_of_2(head_dim // 2), KV_P=triton.next_power_of_2(kv_heads),
+                          DIM_P=triton.next_power_of_2(head_dim))
+            sig, cx = _signature(_rope_store_kv_kernel, pointers, set(), consts)
+            build(_rope_store_kv_kernel, sig, cx, f"rope_store_kv {short} heads={heads}/{kv_heads} head_dim={head_dim}")
         for width in NORM_WIDTHS:
             block = triton.next_power_of_2(width)
             for has_res in (False, True):

@@ -1,4 +1,5 @@
-"""Paged attention in Triton: one kernel for decodes and prefill chunks alike, plus the K/V store.
+"""Paged attention in Triton: one kernel for decodes and prefill chunks alike, plus the K/V store (alone, or
+with the rotary embedding of the step's queries and keys before it: one launch a layer fewer).
 
 The attention grid is fixed by the batch's token and sequence counts, not by its contents: program `(i, h)`
 finds its sequence inside the kernel (a binary search over the query start offsets), so the same launch
@@ -6,8 +7,9 @@ serves any mix of decodes and chunks and can be captured in a CUDA graph. Each p
 `BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h` (grouped-query heads are
 folded into the tile's rows, so each key is loaded once per group), walks the sequence's keys through its
 block table `BLOCK_N` positions at a time with an online softmax in float32, and stops at the tile's last
-causal position. The store kernel writes each new token's K/V into its slot and skips negative slots
-(padding rows of a captured graph).
+causal position. The store kernels write each new token's K/V into its slot and skip negative slots
+(padding rows of a captured graph). How the attention kernel is launched (keys per tile, warps, stages) is a
+`LaunchConfig`, one for decode-only steps and one for the rest.
 
 Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels run in Triton's interpreter, whose bfloat16 `tl.dot`
 is wrong, so there (only) the dot products are computed in float32."""
@@ -124,6 +126,48 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stri
     tl.store(v_cache + block * stride_vb + offset * stride_vs + cols, v, mask=ok)
 
 
+@triton.jit
+def _rope_store_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_mapping, k_cache, v_cache,
+                          stride_qt, stride_qh, stride_vt, stride_vh_in, stride_table, num_heads, num_kv_heads,
+                          block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr, KV_P: tl.constexpr,
+                          DIM_P: tl.constexpr):
+    """Token `pid`: its query and key heads rotated in place (as `triton_layer_ops._rope_kernel` does, each
+    product and difference rounded to the dtype), then its rotated keys and its values stored into its slot,
+    unless the slot is negative."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    heads = tl.arange(0, HEADS_P)
+    cols = tl.arange(0, HALF_P)
+    col_ok = cols < HALF
+    ok = (heads[:, None] < num_heads + num_kv_heads) & col_ok[None, :]
+    dt = qk_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    first = qk_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :]
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    tl.store(first, o1, mask=ok)
+    tl.store(first + HALF, o2, mask=ok)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot >= 0:
+        block, offset = slot // block_size, slot % block_size
+        is_key = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
+        kv_head = tl.where(is_key, heads - num_heads, 0)
+        key_ok = is_key[:, None] & col_ok[None, :]
+        dst = k_cache + block * stride_kb + offset * stride_ks + kv_head[:, None] * stride_kh + cols[None, :]
+        tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=key_ok)
+        tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=key_ok)
+        vh = tl.arange(0, KV_P)
+        vc = tl.arange(0, DIM_P)
+        v_ok = (vh[:, None] < num_kv_heads) & (vc[None, :] < 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + vh[:, None] * stride_vh_in + vc[None, :], mask=v_ok)
+        tl.store(v_cache + block * stride_vb + offset * stride_vs + vh[:, None] * stride_vh + vc[None, :],
+                 v.to(v_cache.dtype.element_ty), mask=v_ok)
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
@@ -190,6 +234,30 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def rope_store_kv(qk: torch.Tensor, value: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                  positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Rotate `qk` ([tokens, heads + kv_heads, head_dim], the keys last) in place and store its keys and
+    `value` ([tokens, kv_heads, head_dim]) into their slots, negative slots skipped: `rope_` then `store_kv`
+    in one kernel."""
+    tokens, all_heads, dim = qk.shape
+    num_kv_heads = value.shape[1]
+    if qk.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 \
+            or cos_table.stride(-1) != 1 or sin_table.stride(-1) != 1 or sin_table.stride(0) != cos_table.stride(0):
+        raise ValueError("rope_store_kv needs unit stride along head_dim, and tables of one layout")
+    if positions.dim() != 1 or positions.stride(0) != 1:
+        raise ValueError("rope_store_kv needs contiguous positions, one per token")
+    if tokens:
+        _rope_store_kv_kernel[(tokens,)](
+            qk, value, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache,
+            qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos_table.stride(0),
+            all_heads - num_kv_heads, num_kv_heads, k_cache.shape[1],
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), HALF=dim // 2, HEADS_P=triton.next_power_of_2(all_heads),
+            HALF_P=triton.next_power_of_2(dim // 2), KV_P=triton.next_power_of_2(num_kv_heads),
+            DIM_P=triton.next_power_of_2(dim))
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write `key`/`value` ([tokens, kv_heads, head_dim]) into their flat slots; negative slots are skipped."""
@@ -238,6 +306,10 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
 
     def write_kv(self, k_cache, v_cache, key, value, meta: TritonAttentionMetadata) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def rope_and_write_kv(self, qk, value, rope, ops, k_cache, v_cache, meta: TritonAttentionMetadata) -> None:
+        """Both in one kernel (`rope_store_kv`): a launch fewer per layer, 30 a decode step of SmolLM2."""
+        rope_store_kv(qk, value, *rope, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(query, k_cache, v_cache, torch.empty_like(query), meta.block_tables, meta.seq_lens,

@@ -117,6 +117,39 @@ def test_grid_covers_any_split_of_the_tokens():
             assert last <= attention_grid(sum(lens), len(lens), 1, block_q)[0] and tiles <= last
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32)])
+def test_rope_store_kv_is_rope_then_store(dtype, heads, kv_heads, dim):
+    """The fused kernel gives the bits of the layer ops' rotary followed by the store, over a qkv row layout
+    (queries, keys and values side by side), negative slots skipped."""
+    from kernels.triton_attention import rope_store_kv
+    from kernels.triton_layer_ops import rope_
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, max_pos = 5, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(DEVICE)
+    angles = torch.randn(max_pos, dim // 2, generator=gen)
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    positions = torch.tensor([3, 0, 17, 63, 8], device=DEVICE)
+    slots = torch.tensor([9, -1, 30, 0, 17], device=DEVICE)
+    results = []
+    for fused in (False, True):
+        x = qkv.clone()
+        qk = x[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+        v = x[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+        k_cache = torch.zeros(4, 8, kv_heads, dim, dtype=dtype, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        if fused:
+            rope_store_kv(qk, v, cos, sin, positions, k_cache, v_cache, slots)
+        else:
+            rope_(qk, cos, sin, positions)
+            store_kv(qk[:, heads:], v, k_cache, v_cache, slots)
+        results.append((x, k_cache, v_cache))
+    for plain, fused in zip(*results):
+        assert torch.equal(plain, fused)
+    assert results[1][1].view(-1, kv_heads, dim).abs().sum((1, 2)).nonzero().flatten().tolist() == [0, 9, 17, 30]
+
+
 def test_store_kv_writes_slots_and_skips_negative_ones():
     k_cache = torch.zeros(8, 4, 2, 32, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)

@@ -111,11 +111,9 @@ class DecoderLayer(nn.Module):
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = ops.linear(h, self.qkv, self.qkv_bias)
         qk = qkv[:, : (nh + kvh) * d].view(t, nh + kvh, d)
-        ops.rope_(qk, *rope)
-        q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
-        attn.write_kv(k_cache, v_cache, k, v, meta)
-        o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
+        attn.rope_and_write_kv(qk, v, rope, ops, k_cache, v_cache, meta)
+        o = attn.forward(qk[:, :nh], k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
         return self.finish(x, o, ops, rows)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor, ops: TorchLayerOps,
