@@ -4,7 +4,7 @@ line: how many variants compiled and which failed, so GPU-only compile errors su
 
 Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
 shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
-attention uses (`DECODE_CONFIG`, `CHUNK_CONFIG`), the store row width, and for
+attention uses (`DECODE_CONFIG` with one query per sequence, `CHUNK_CONFIG` without), the store row width, and for
 the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel."""
 
 from __future__ import annotations
@@ -58,15 +58,18 @@ def compile_all(arch: int) -> dict:
 
     for short in DTYPES:
         ptr = f"*{short}"
-        for (group, head_dim), config in itertools.product(SHAPES, sorted({DECODE_CONFIG, CHUNK_CONFIG}, key=str)):
+        for (group, head_dim), (config, one_query) in itertools.product(
+                SHAPES, [(DECODE_CONFIG, True), (CHUNK_CONFIG, False)]):
             block_q, group_p, head_dim_p = tile_shape(group, head_dim)
             upcast = short == "fp32"
             consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
-                          BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+                          BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+                          ONE_QUERY=one_query)
             pointers = {n: ptr for n in ("q_ptr", "k_cache", "v_cache", "out_ptr")}
             pointers.update({n: "*i64" for n in ("block_tables", "seq_lens", "query_start_loc")})
             sig, cx = _signature(_paged_attention_kernel, pointers, {"scale"}, consts)
-            build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim} {config}",
+            build(_paged_attention_kernel, sig, cx,
+                  f"attention {short} group={group} head_dim={head_dim} one_query={one_query} {config}",
                   {"num_warps": config.num_warps, "num_stages": config.num_stages})
         for row in STORE_ROWS:
             pointers = {n: ptr for n in ("key", "value", "k_cache", "v_cache")}

@@ -3,7 +3,8 @@ with the rotary embedding of the step's queries and keys before it: one launch a
 
 The attention grid is fixed by the batch's token and sequence counts, not by its contents: program `(i, h)`
 finds its sequence inside the kernel (a binary search over the query start offsets), so the same launch
-serves any mix of decodes and chunks and can be captured in a CUDA graph. Each program takes a tile of up to
+serves any mix of decodes and chunks and can be captured in a CUDA graph; a decode step (one token per
+sequence, known from the shapes) launches one program per sequence and KV head, with no search. Each program takes a tile of up to
 `BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h` (grouped-query heads are
 folded into the tile's rows, so each key is loaded once per group), walks the sequence's keys through its
 block table `BLOCK_N` positions at a time with an online softmax in float32, and stops at the tile's last
@@ -53,15 +54,22 @@ def _paged_attention_kernel(
     stride_bt, block_size,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_QUERY: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q)
-    q_begin = tl.load(query_start_loc + seq)
-    q_len = tl.load(query_start_loc + seq + 1) - q_begin
-    q_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within the sequence
-    if q_start >= q_len:
-        return
+    if ONE_QUERY:  # a decode step: one query token per sequence, one tile per sequence, no search
+        seq = tile
+        q_begin = tile
+        q_len = 1
+        q_start = 0
+    else:
+        seq = _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q)
+        q_begin = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_begin
+        q_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q  # first query of this tile, within the sequence
+        if q_start >= q_len:
+            return
     seq_len = tl.load(seq_lens + seq)
     context = seq_len - q_len  # tokens cached before this step
 
@@ -194,7 +202,10 @@ CHUNK_CONFIG = LaunchConfig()
 
 def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
     """Programs for a batch of `num_tokens` query tokens in `num_seqs` sequences: enough tiles for any
-    split of the tokens between the sequences (each sequence may leave one tile partly empty)."""
+    split of the tokens between the sequences (each sequence may leave one tile partly empty); one per
+    sequence when each has one token (as many tokens as sequences: the kernel's `ONE_QUERY`)."""
+    if num_tokens == num_seqs:
+        return (num_seqs, num_kv_heads)
     return (num_tokens // block_q + num_seqs, num_kv_heads)
 
 
@@ -229,7 +240,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.stride(0), block_size,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ONE_QUERY=num_tokens == num_seqs, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -54,17 +54,19 @@ def _paged_case(batch, block_size, heads, kv_heads, dim, dtype, seed=0, num_bloc
 
 
 BATCH = [(1, 5), (7, 40), (1, 33), (20, 20), (1, 100), (3, 50), (1, 1)]
+DECODES = [(1, 5), (1, 40), (1, 1), (1, 100), (1, 33)]  # one query each: the kernel's ONE_QUERY path
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 16), (9, 3, 64), (4, 4, 32)])
-def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim):
-    query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(BATCH, block_size, heads, kv_heads, dim, dtype)
+@pytest.mark.parametrize("batch", [BATCH, DECODES], ids=["mixed", "decodes"])
+def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim, batch):
+    query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, block_size, heads, kv_heads, dim, dtype)
     out = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, dim ** -0.5)
     expected, start = [], 0
-    for k, v, (q_len, ctx) in zip(keys, values, BATCH):
+    for k, v, (q_len, ctx) in zip(keys, values, batch):
         expected.append(dense_reference(query[start:start + q_len].cpu(), k, v, q_len, ctx))
         start += q_len
     torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -108,7 +110,8 @@ def test_grid_covers_any_split_of_the_tokens():
     """Every sequence's tiles fit in the fixed grid whatever the query lengths (the graph-safe bound)."""
     for group, dim in ((1, 64), (3, 64), (8, 128)):
         block_q = tile_shape(group, dim)[0]
-        for lens in ([1] * 7, [17, 1, 1], [block_q * 3, 1, block_q + 1], [64]):
+        assert attention_grid(7, 7, 2, block_q) == (7, 2)  # one query each: a tile per sequence (ONE_QUERY)
+        for lens in ([2] + [1] * 6, [17, 1, 1], [block_q * 3, 1, block_q + 1], [64]):
             tiles = sum(-(-n // block_q) for n in lens)
             starts = [0]
             for n in lens:
