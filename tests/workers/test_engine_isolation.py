@@ -21,9 +21,13 @@ PROMPTS = {"a": [5, 6, 7, 8, 9], "b": list(range(100, 140)), "c": [42] * 20}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB"))
+@pytest.fixture(scope="module", params=[{}, {"num_speculative_tokens": 0, "async_scheduling": True}],
+                ids=["in-turn", "async"])
+def engine(tiny_model_dir, request) -> Engine:
+    """Step by step (with speculation, the default), and with each decode step queued behind the one before
+    (async scheduling, on by default on a GPU): a step that fails there is run again in turn."""
+    return Engine(EngineConfig(model=tiny_model_dir, dtype="float32", max_model_len=256, kv_cache_memory="16MiB",
+                               **request.param))
 
 
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], poison=None):
