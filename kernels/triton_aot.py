@@ -4,7 +4,7 @@ line: how many variants compiled and which failed, so GPU-only compile errors su
 
 Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
 shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
-attention uses (`DECODE_CONFIG` with one query per sequence, `CHUNK_CONFIG` without), the store row width, and for
+attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, and for
 the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel."""
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict)
 
 
 def compile_all(arch: int) -> dict:
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import (CHUNK_CONFIG, DECODE_CONFIG, _paged_attention_kernel, _rope_store_kv_kernel,
-                                          _store_kv_kernel, tile_shape)
+    from kernels.triton_attention import (_paged_attention_kernel, _rope_store_kv_kernel, _store_kv_kernel,
+                                          launch_config, tile_shape)
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
 
     target = GPUTarget("cuda", arch, 32)
@@ -58,8 +59,8 @@ def compile_all(arch: int) -> dict:
 
     for short in DTYPES:
         ptr = f"*{short}"
-        for (group, head_dim), (config, one_query) in itertools.product(
-                SHAPES, [(DECODE_CONFIG, True), (CHUNK_CONFIG, False)]):
+        for (group, head_dim), one_query in itertools.product(SHAPES, (True, False)):
+            config = launch_config(getattr(torch, DTYPES[short]), one_query)
             block_q, group_p, head_dim_p = tile_shape(group, head_dim)
             upcast = short == "fp32"
             consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,

@@ -195,9 +195,17 @@ class LaunchConfig:
 
 
 # Read at every launch (the GPU check's `attention_sweep` times others and may set the fastest for its run):
-# steps whose every sequence has one query token (decode steps, the captured graphs), and the others.
+# steps whose every sequence has one query token (decode steps, the captured graphs), and the others. Float32
+# (parity checks and tests; tiles twice as large, from full-precision dots) keeps the default.
 DECODE_CONFIG = LaunchConfig()
 CHUNK_CONFIG = LaunchConfig()
+
+
+def launch_config(dtype: torch.dtype, one_query: bool) -> LaunchConfig:
+    """The config a step's attention launches with (see `DECODE_CONFIG`)."""
+    if dtype == torch.float32:
+        return LaunchConfig()
+    return DECODE_CONFIG if one_query else CHUNK_CONFIG
 
 
 def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
@@ -221,14 +229,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal attention of `query` ([tokens, heads, head_dim], sequences contiguous and in order) over the
     paged caches ([blocks, block_size, kv_heads, head_dim]); `seq_lens` count cached plus new tokens,
     `query_start_loc` ([seqs + 1]) delimits each sequence's query tokens. Writes and returns `out`.
-    `config`: default `DECODE_CONFIG` when there are as many tokens as sequences, else `CHUNK_CONFIG`."""
+    `config`: default `launch_config(dtype, one query per sequence)`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if k_cache.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("paged_attention needs the head dimension contiguous in query, caches and out")
     num_seqs = seq_lens.shape[0]
     if config is None:
-        config = DECODE_CONFIG if num_tokens == num_seqs else CHUNK_CONFIG
+        config = launch_config(query.dtype, num_tokens == num_seqs)
     group = num_heads // num_kv_heads
     block_q, group_p, head_dim_p = tile_shape(group, head_dim)
     grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)

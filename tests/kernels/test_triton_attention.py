@@ -84,7 +84,8 @@ def test_launch_configs_give_the_same_attention(config):
 
 
 def test_decode_steps_take_the_decode_config(monkeypatch):
-    """A step of one token per sequence launches with `DECODE_CONFIG`, any other with `CHUNK_CONFIG`."""
+    """A step of one token per sequence launches with `DECODE_CONFIG`, any other with `CHUNK_CONFIG`; float32
+    with the default."""
     seen = []
     real = triton_attention._paged_attention_kernel
 
@@ -98,10 +99,11 @@ def test_decode_steps_take_the_decode_config(monkeypatch):
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy())
     monkeypatch.setattr(triton_attention, "DECODE_CONFIG", LaunchConfig(64, 8, 2))
     monkeypatch.setattr(triton_attention, "CHUNK_CONFIG", LaunchConfig(16, 2, 1))
-    for batch in ([(1, 40), (1, 7)], [(1, 40), (3, 7)]):
-        query, kc, vc, tables, seq_lens, qsl, _, _ = _paged_case(batch, 16, 4, 2, 32, torch.float32)
-        paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
-    assert seen == [(64, 8, 2), (16, 2, 1)]
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch in ([(1, 40), (1, 7)], [(1, 40), (3, 7)]):
+            query, kc, vc, tables, seq_lens, qsl, _, _ = _paged_case(batch, 16, 4, 2, 32, dtype)
+            paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
+    assert seen == [(64, 8, 2), (16, 2, 1), (32, 4, 3), (32, 4, 3)]  # float32 keeps the default
     with pytest.raises(ValueError, match="block_n"):
         LaunchConfig(block_n=24)
 
