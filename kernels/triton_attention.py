@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from kernels.triton_layer_ops import rotate_in_place
 
 
 def interpreting() -> bool:
@@ -140,25 +141,11 @@ def _rope_store_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_mapping
                           block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr, KV_P: tl.constexpr,
                           DIM_P: tl.constexpr):
-    """Token `pid`: its query and key heads rotated in place (as `triton_layer_ops._rope_kernel` does, each
-    product and difference rounded to the dtype), then its rotated keys and its values stored into its slot,
-    unless the slot is negative."""
+    """Token `pid`: its query and key heads rotated in place (`triton_layer_ops.rotate_in_place`), then its
+    rotated keys and its values stored into its slot, unless the slot is negative."""
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    heads = tl.arange(0, HEADS_P)
-    cols = tl.arange(0, HALF_P)
-    col_ok = cols < HALF
-    ok = (heads[:, None] < num_heads + num_kv_heads) & col_ok[None, :]
-    dt = qk_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + pos * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_table + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    first = qk_ptr + t * stride_qt + heads[:, None] * stride_qh + cols[None, :]
-    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
-    tl.store(first, o1, mask=ok)
-    tl.store(first + HALF, o2, mask=ok)
+    o1, o2, heads, cols, col_ok = rotate_in_place(qk_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh,
+                                                  stride_table, num_heads + num_kv_heads, HALF, HEADS_P, HALF_P)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:
         block, offset = slot // block_size, slot % block_size

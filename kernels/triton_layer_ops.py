@@ -40,10 +40,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
-                 HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
-    """Token `pid`, every head: `x1*cos - x2*sin` and `x2*cos + x1*sin` on the halves, each product and
-    difference rounded to the dtype as torch's ops do, in place."""
+def rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
+                    HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Token `pid`, its first `num_heads` heads: `x1*cos - x2*sin` and `x2*cos + x1*sin` on the halves, each
+    product and difference rounded to the dtype as torch's ops do, in place. Returns the rotated halves (in
+    the dtype, [HEADS_P, HALF_P]) with their head and column indices and which columns are real."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     heads = tl.arange(0, HEADS_P)
@@ -56,10 +57,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_
     first = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
-    o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    tl.store(first, o1.to(dt), mask=ok)
-    tl.store(first + HALF, o2.to(dt), mask=ok)
+    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    tl.store(first, o1, mask=ok)
+    tl.store(first + HALF, o2, mask=ok)
+    return o1, o2, heads, cols, col_ok
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
+                 HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+    """Token `pid`, every head rotated in place (`rotate_in_place`)."""
+    rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
+                    HALF, HEADS_P, HALF_P)
 
 
 @triton.jit
