@@ -119,6 +119,20 @@ def test_requests_reaching_max_model_len_are_not_run_past_it(tiny_model_dir):
     assert ahead["last_position_ahead"] == 46  # the row that samples the last token; none after it
 
 
+def test_a_full_pool_stops_running_ahead_and_the_scheduler_preempts(tiny_model_dir):
+    """Blocks for the token after the one in flight are taken before that token is known; when the pool has
+    none left, the step in flight is collected and the scheduler preempts in turn (recomputing later), with
+    the tokens of step by step and every block back."""
+    engine = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", num_kv_blocks=14,
+                    block_size=4, max_model_len=32, max_num_batched_tokens=32, num_speculative_tokens=0, enable_prefix_caching=False)
+    reqs = [(p, _greedy(12)) for p in ([5, 6, 7, 8, 9], [42] * 9, list(range(300, 303)), [7, 8])]
+    plain = _run(engine, False, reqs)
+    preempted = engine.get_stats().num_preemptions
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert preempted > 0 and engine.get_stats().num_preemptions > preempted  # both runs preempted
+
+
 def test_stop_tokens_and_stop_strings_found_while_the_next_step_runs(engine):
     plain = _run(engine, False, [(p, _greedy(14)) for p in PROMPTS])
     tokens = [plain[f"q{i}"][-1][0][2] for i in range(len(PROMPTS))]
