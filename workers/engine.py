@@ -7,7 +7,6 @@ pass, and the output processor owns text, stop strings, logprobs and `RequestOut
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,14 +24,12 @@ from workers.penalties import bad_words_token_ids
 from workers.outputs import RequestOutput
 from workers.request import Request, RequestStatus
 from workers.request_queue import make_request_queue
-from workers.sampler import PendingSample
+from workers.run_ahead import InFlight, RunAhead
 from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workers.sizing import resolve_device, resolve_max_model_len
 from workers.step_isolation import IsolatedStep, execute_isolating
 from workers.structured_output import StructuredOutputManager
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -84,14 +81,6 @@ class _PendingOutputs:
     sampled: list[Request]
     logprobs: list
     prompt_logprobs: dict
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A decode step queued on the device and not yet applied (`Engine.async_scheduling`)."""
-
-    sched: SchedulerOutput
-    pending: PendingSample
 
 
 class Engine:
@@ -146,7 +135,8 @@ class Engine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None else
                                  isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
                                  and not config.num_speculative_tokens)
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
+        self._ahead = RunAhead(self.scheduler, self.runner, self.structured)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""
@@ -287,7 +277,7 @@ class Engine:
 
         With `async_scheduling` (one GPU without speculation) a decode step goes further: before the host
         waits for it, the next decode step of the same requests is queued behind it on the device, its input
-        ids read there from this step's sampled ids (`_run_ahead`), so that the host applies this step and
+        ids read there from this step's sampled ids (`workers/run_ahead.py`), so that the host applies this step and
         makes its outputs while the device runs the next. The next `step()` call collects that step (and
         queues the one after), with no scheduling of its own, as long as nothing else waits: no request
         waiting to be admitted, every request sampling with a spec that does not change step to step (no
@@ -301,10 +291,10 @@ class Engine:
             if not sched.requests:
                 return self._take_pending()
             self.outputs.mark_scheduled(sched.admitted, time.monotonic())
-            current = self._launch(sched) if self.async_scheduling else None
+            current = self._ahead.launch(sched) if self.async_scheduling else None
             if current is None:
                 return self._step_in_turn(sched)
-        self._inflight = self._run_ahead(current)
+        self._inflight = self._ahead.run_ahead(current)
         try:
             earlier = self._take_pending()  # outputs left by a step before (the device is busy meanwhile)
         except BaseException:
@@ -363,53 +353,6 @@ class Engine:
         if self.structured.active:
             sampled, logprobs = self._advance_grammars(sampled, logprobs)
         self._pending = _PendingOutputs(sampled, logprobs, run.output.prompt_logprobs)
-
-    def _launch(self, sched: SchedulerOutput) -> _InFlight | None:
-        """`sched` queued on the device without waiting, if it is a decode-only step without drafts that may
-        be run ahead of (`_may_run_ahead`); None otherwise, or if it could not be queued."""
-        if not all(n == 1 and not r.spec_token_ids and r.num_computed_tokens + 1 == len(r.all_token_ids)
-                   for r, n in zip(sched.requests, sched.num_new_tokens)) or not self._may_run_ahead(sched):
-            return None
-        try:
-            return _InFlight(sched, self.runner.launch(sched))
-        except Exception:
-            logger.debug("step not queued ahead; running it in turn", exc_info=True)
-            return None
-
-    def _may_run_ahead(self, sched: SchedulerOutput) -> bool:
-        """Whether the decode step after `sched` may be queued before `sched`'s tokens are known: nothing
-        waits to be admitted, no grammar is active, and each request samples with a spec that no longer
-        changes (none bans tokens for now or reads its token history: `Request.sample_spec`), and none keeps
-        its KV for a transfer."""
-        s = self.scheduler
-        return (not len(s.waiting) and not s.pending_forks and not self.structured.active
-                and all(r.sample_spec is not None and not r.hold_kv for r in sched.requests))
-
-    def _run_ahead(self, current: _InFlight) -> _InFlight | None:
-        """The decode step after `current`, queued behind it on the device before its tokens are known, for
-        its requests that go on: not finished since, and with room for a token after the one in flight (which
-        may be their last by `max_tokens`, within `max_model_len`). None if it may not run ahead (see `step`)."""
-        if not self._may_run_ahead(current.sched):
-            return None
-        reqs, rows = [], []
-        bs = self.kv_cache.block_size
-        for i, r in enumerate(current.sched.requests):
-            # its token in flight may be its last (max_tokens, which add_request keeps within max_model_len)
-            if r.status.finished or len(r.all_token_ids) + 1 - r.num_prompt_tokens >= r.max_tokens:
-                continue
-            if r.num_computed_tokens + 2 > len(r.block_ids) * bs and not self.kv_cache.allocate_slots(r, 2):
-                return None  # the scheduler decides (preempts) in turn
-            reqs.append(r)
-            rows.append(i)
-        if not reqs:
-            return None
-        try:
-            pending = self.runner.launch_ahead(reqs, current.pending, None if len(rows) == len(current.sched.requests)
-                                               else rows)
-        except Exception:
-            logger.debug("step not queued ahead; running it in turn", exc_info=True)
-            return None
-        return _InFlight(SchedulerOutput(reqs, [1] * len(reqs)), pending)
 
     def _take_pending(self) -> list[RequestOutput]:
         """Make the outputs of the step whose tokens were applied last (those of requests still tracked: an

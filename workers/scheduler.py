@@ -166,6 +166,30 @@ class Scheduler:
                 out.num_new_tokens.append(n)
         return out
 
+    def may_run_ahead(self) -> bool:
+        """Whether steps may be scheduled ahead (`schedule_ahead`): no request waits to be admitted."""
+        return not len(self.waiting) and not self.pending_forks
+
+    def schedule_ahead(self, current: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
+        """The decode step after `current`, a decode-only step still on the device whose tokens are not known
+        (async scheduling): its requests that go on (not finished since, and with room for a token after the
+        one in flight, which may be their last by `max_tokens`, within `max_model_len`), each with a slot for
+        that token, and their rows in `current`. None while a request waits to be admitted, or when the pool
+        is short of a slot: then `schedule` decides in turn (and preempts)."""
+        if not self.may_run_ahead():
+            return None
+        out, rows = SchedulerOutput(), []
+        bs = self.kv_cache.block_size
+        for i, r in enumerate(current.requests):
+            if r.status.finished or len(r.all_token_ids) + 1 - r.num_prompt_tokens >= r.max_tokens:
+                continue
+            if r.num_computed_tokens + 2 > len(r.block_ids) * bs and not self.kv_cache.allocate_slots(r, 2):
+                return None
+            out.requests.append(r)
+            out.num_new_tokens.append(1)
+            rows.append(i)
+        return (out, rows) if out.requests else None
+
     @staticmethod
     def _may_speculate(req: Request) -> bool:
         """Greedy requests whose every next token depends only on the logits: no logprobs, penalties, bias,
