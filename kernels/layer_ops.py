@@ -72,6 +72,9 @@ class DecodeStack:
 
 class TorchLayerOps:
     name = "torch"
+    # whether `decode_layers` / `mixed_layers` may run a step (else the model runs its layer loop and does not
+    # compute the first norm for them)
+    runs_stacks = False
 
     def decode_layers(self, x: torch.Tensor, h: torch.Tensor, stack: DecodeStack,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -109,6 +112,23 @@ class TorchLayerOps:
         x = x + residual
         return x, self.rms_norm(x, weight, eps)
 
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's input: `x + residual` (the previous layer's output added in; `x` alone for the first
+        layer) and the projection of its RMSNorm, `linear(rms_norm(sum), weight, bias)`. Use the results."""
+        if residual is None:
+            total, h = x, self.rms_norm(x, norm_weight, eps)
+        else:
+            total, h = self.add_rms_norm(x, residual, norm_weight, eps)
+        return total, self.linear(h, weight, bias)
+
+    def norm_gate_up(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's MLP input: `x + residual` (attention's output added in) and
+        `silu_and_mul(linear(rms_norm(sum), gate_up))`. Use the results."""
+        total, h = self.add_rms_norm(x, residual, norm_weight, eps)
+        return total, self.silu_and_mul(self.linear(h, gate_up))
+
     @staticmethod
     def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
         """Rotate `x` ([tokens, heads, head_dim]) in place: Hugging Face's `x * cos + rotate_half(x) * sin`,
@@ -136,6 +156,7 @@ class TorchLayerOps:
 
 class CppLayerOps(TorchLayerOps):
     name = "cpp"
+    runs_stacks = True
 
     def __init__(self, gemv_max_rows: int | None = None, vnni_max_rows: int | None = None,
                  amx_max_rows: int | None = None) -> None:

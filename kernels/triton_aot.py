@@ -4,8 +4,9 @@ line: how many variants compiled and which failed, so GPU-only compile errors su
 
 Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
 shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
-attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, and for
-the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel."""
+attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, for
+the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel, and
+for the fused norm-and-matmul (`kernels.triton_linear`) each kind of projection at each tile height."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
 NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
 ROPE_SHAPES = [(9 + 3, 64), (32 + 8, 128), (8 + 2, 32)]  # (query + KV heads, head_dim)
 ROPE_STORE_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 2, 32)]  # (query heads, KV heads, head_dim)
+# the fused norm-and-matmul's kinds (residual, bias, gated): the first layer's qkv, qkv, qkv with a bias, gate/up
+NORM_LINEAR_KINDS = [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
 
 
 def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> tuple[dict, dict]:
@@ -45,6 +48,7 @@ def compile_all(arch: int) -> dict:
     from kernels.triton_attention import (_paged_attention_kernel, _rope_store_kv_kernel, _store_kv_kernel,
                                           launch_config, tile_shape)
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
+    from kernels.triton_linear import NORM_LINEAR_CONFIG, LinearConfig, _norm_linear_kernel
 
     target = GPUTarget("cuda", arch, 32)
     compiled, failed = 0, []
@@ -101,6 +105,18 @@ def compile_all(arch: int) -> dict:
             build(_rope_kernel, sig, cx, f"rope {short} heads={heads} head_dim={head_dim}")
         sig, cx = _signature(_silu_and_mul_kernel, {"gu_ptr": ptr, "out_ptr": ptr}, set(), dict(BLOCK=SILU_BLOCK))
         build(_silu_and_mul_kernel, sig, cx, f"silu_and_mul {short}", {"num_warps": 4})
+        # the fused norm-and-matmul: each tile height a step's rows round to, each kind of projection
+        config = NORM_LINEAR_CONFIG or LinearConfig()
+        heights = sorted({config.rows_per_program(rows) for rows in (1, 17, 33, 65, 129, config.max_rows)})
+        upcast = short == "fp32"
+        for block_m, (has_res, has_bias, gated) in itertools.product(heights, NORM_LINEAR_KINDS):
+            pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr")}
+            consts = dict(HAS_RES=has_res, HAS_BIAS=has_bias, GATED=gated, BLOCK_M=block_m, BLOCK_N=config.block_n,
+                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+            sig, cx = _signature(_norm_linear_kernel, pointers, {"eps"}, consts)
+            build(_norm_linear_kernel, sig, cx,
+                  f"norm_linear {short} block_m={block_m} residual={has_res} bias={has_bias} gated={gated} {config}",
+                  {"num_warps": config.num_warps, "num_stages": config.num_stages})
     return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}
 
 

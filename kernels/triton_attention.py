@@ -17,7 +17,6 @@ is wrong, so there (only) the dot products are computed in float32."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +25,7 @@ import triton.language as tl
 
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.triton_layer_ops import rotate_in_place
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from kernels.triton_linear import interpreting
 
 
 @triton.jit

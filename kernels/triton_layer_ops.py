@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_linear
 from kernels.layer_ops import TorchLayerOps
 
 
@@ -150,10 +151,26 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class TritonLayerOps(TorchLayerOps):
-    """`TorchLayerOps` with the norms, rotary embedding and SiLU-and-multiply as one Triton kernel each
-    (the linear layers stay cuBLAS's; `decode_layers`/`mixed_layers` stay None: layers run one by one)."""
+    """`TorchLayerOps` with the norms, rotary embedding and SiLU-and-multiply as one Triton kernel each, and
+    (under `triton_linear.NORM_LINEAR_CONFIG`, for steps of up to its `max_rows`) each norm fused with the
+    matmul after it, and SiLU-and-multiply with the gate/up matmul (`kernels/triton_linear.py`). Other
+    matmuls stay cuBLAS's; layers run one by one."""
 
     name = "triton"
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        config = triton_linear.NORM_LINEAR_CONFIG
+        if triton_linear.fused_rows_ok(x, residual, weight, config):
+            return triton_linear.norm_linear(x, residual, norm_weight, eps, weight, bias, config=config)
+        return super().norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def norm_gate_up(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        config = triton_linear.NORM_LINEAR_CONFIG
+        if triton_linear.fused_rows_ok(x, residual, gate_up, config):
+            return triton_linear.norm_linear(x, residual, norm_weight, eps, gate_up, gated=True, config=config)
+        return super().norm_gate_up(x, residual, norm_weight, eps, gate_up)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -108,7 +108,7 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 
 SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "attention_sweep", "throughput", "decode_profile", "pd_handoff",
+            "greedy_speculative_vs_plain", "attention_sweep", "linear_sweep", "throughput", "decode_profile", "pd_handoff",
             "tensor_parallel")
 
 
@@ -123,7 +123,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import attention_sweep, greedy_parity, pd_handoff, profile, tensor_parallel
+    from loadtest.gpu_check import attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, tensor_parallel
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -150,6 +150,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab))
     section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
     section("attention_sweep", lambda: attention_sweep.sweep(plan))
+    section("linear_sweep", lambda: linear_sweep.sweep(plan))
     section("throughput", lambda: throughput(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
@@ -171,6 +172,15 @@ def summary(report: dict) -> str:
                      f"{row['us']:.1f} us, {row['kv_gb_s']:.0f} GB/s ({row['of_copy_bandwidth']:.0%} of copy)")
     if sw.get("applied"):
         lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")
+    ls = report["checks"].get("linear_sweep", {})
+    for rows, data in ls.get("rows", {}).items():
+        fastest = sorted((r for r in data["configs"] if r.get("us")), key=lambda r: r["us"])[:3]
+        best = ", ".join(f"{r['us']:.0f} us ({r['config']['block_m']}x{r['config']['block_n']}x{r['config']['block_k']}"
+                         f" w{r['config']['num_warps']} s{r['config']['num_stages']})" for r in fastest)
+        lines.append(f"  norm+matmul x{ls['layers']} layers, {rows} rows: separate {data['separate_us']:.0f} us; "
+                     f"fused {best}")
+    if ls.get("applied") and not report["mode"] == "dry-run":
+        lines.append(f"  norm+matmul applied for the sections after: {ls['applied']}")
     tp = report["checks"].get("throughput", {})
     for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step"):
         b = tp.get("batch", {}).get(kind, {})

@@ -74,6 +74,14 @@ def _decode_config() -> dict:
     return dataclasses.asdict(ta.DECODE_CONFIG)
 
 
+def _norm_linear_config() -> dict | None:
+    """The fused norm-and-matmul's config the engine runs with (None: the separate kernels)."""
+    from kernels import triton_linear
+
+    config = triton_linear.NORM_LINEAR_CONFIG
+    return None if config is None else dataclasses.asdict(config)
+
+
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
                      overlap: bool | None = None, ahead: bool | None = None) -> dict:
     """`overlap`: make each step's outputs during the next step (`Engine.overlap_outputs`, forced on for the
@@ -91,6 +99,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     steps = run.pop("decode_steps")
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
+              "norm_linear_config": _norm_linear_config(),
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:

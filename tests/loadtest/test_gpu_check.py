@@ -12,15 +12,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "attention_sweep", "throughput", "decode_profile", "pd_handoff",
-            "tensor_parallel"]
+            "greedy_speculative_vs_plain", "attention_sweep", "linear_sweep", "throughput", "decode_profile",
+            "pd_handoff", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
 sys.modules["pydantic"] = None
 import loadtest.gpu_check.run, loadtest.gpu_check.engines, loadtest.gpu_check.greedy_parity
 import loadtest.gpu_check.kernel_parity, loadtest.gpu_check.throughput, loadtest.gpu_check.pd_handoff
-import loadtest.gpu_check.attention_sweep
+import loadtest.gpu_check.attention_sweep, loadtest.gpu_check.linear_sweep
 import kernels.triton_attention, workers.cuda_graphs, workers.kv_transfer
 from loadtest.gpu_check.pd_handoff import transport_available
 transport_available()
@@ -78,10 +78,17 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     sweep = checks["attention_sweep"]
     assert len(sweep["configs"]) >= 2 and all(r["ok"] and r["us"] > 0 for r in sweep["configs"])
     assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
+    linear = checks["linear_sweep"]
+    assert set(linear["rows"]) == {"1", "2"} and linear["default"] is not None
+    for data in linear["rows"].values():
+        assert data["separate_us"] > 0 and len(data["configs"]) >= 2
+        assert all(r["ok"] and r["us"] > 0 and r["max_rel_diff"] < 0.03 for r in data["configs"])
+    assert not linear["applied_to_later_sections"]
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
                                                         "graphs_outputs_in_step")] == [True, True, False, False]
     assert tp["batch"]["graphs"]["decode_attention_config"] == sweep["default"]
+    assert tp["batch"]["graphs"]["norm_linear_config"] == linear["default"]  # the dry run applies neither
     assert not tp["targets_applied"] and set(tp["targets"]) == {"decode_roofline_fraction_with_graphs",
                                                                  "batch1_graphs_over_eager"}
     for kind in ("graphs", "eager"):

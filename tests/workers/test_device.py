@@ -35,16 +35,34 @@ def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, r
     assert _greedy(llm) == reference
 
 
-def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir, reference):
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir, reference, monkeypatch, fused):
     """The model on CUDA takes the Triton layer ops with the Triton attention (`build_model`); here they run
-    in Triton's interpreter through every kind of step (chunks, decodes, mixed), with the same tokens."""
+    in Triton's interpreter through every kind of step (chunks, decodes, mixed), with the same tokens: with
+    each norm fused into the matmul after it (`kernels/triton_linear.py`, every layer's two) and without."""
+    from kernels import triton_linear
     from kernels.triton_layer_ops import TritonLayerOps
 
+    calls: list[bool] = []
+    kernel = triton_linear.norm_linear
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("gated", False))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_linear, "norm_linear", counted)
+    if not fused:
+        monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", None)
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
               max_num_batched_tokens=32)
     assert llm.engine.model.ops.name == "torch"  # on the CPU the torch ops stay
     llm.engine.model.ops = TritonLayerOps()
     assert _greedy(llm) == reference
+    layers = len(llm.engine.model.layers)
+    if fused:  # every layer of every step: the qkv projection and the gated MLP input
+        assert calls and calls.count(True) == calls.count(False) and len(calls) % (2 * layers) == 0
+    else:
+        assert calls == []
 
 
 def test_decode_graph_ladder_and_padding_replay_the_eager_tokens(tiny_model_dir, reference):

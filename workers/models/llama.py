@@ -101,15 +101,16 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * part.intermediate_size, a.hidden_size))
         self.down = nn.Parameter(torch.empty(a.hidden_size, part.intermediate_size))
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, m: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata,
                 ops: TorchLayerOps, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`x` is the residual stream and `h` its input norm. Returns the stream after attention and the
-        MLP's output, which the caller adds in with the next norm. With `rows`, only those tokens go on
-        past attention (every token still writes its K/V)."""
+        """`x` is the residual stream and `m` the previous layer's output, not yet added in (None for the first
+        layer: `x` is the embeddings). Returns the stream after attention and the MLP's output, which the next
+        layer (or the final norm) adds in. With `rows`, only those tokens go on past attention (every token
+        still writes its K/V)."""
         t = x.shape[0]
         nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = ops.linear(h, self.qkv, self.qkv_bias)
+        x, qkv = ops.norm_linear(x, m, self.input_norm, self.eps, self.qkv, self.qkv_bias)
         qk = qkv[:, : (nh + kvh) * d].view(t, nh + kvh, d)
         v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
         attn.rope_and_write_kv(qk, v, rope, ops, k_cache, v_cache, meta)
@@ -122,8 +123,8 @@ class DecoderLayer(nn.Module):
         `rows` only when given."""
         if rows is not None:
             x, o = x[rows], o[rows]
-        x, h = ops.add_rms_norm(x, self.tp.all_reduce(ops.linear(o, self.o_proj)), self.post_norm, self.eps)
-        return x, self.tp.all_reduce(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down))
+        x, a = ops.norm_gate_up(x, self.tp.all_reduce(ops.linear(o, self.o_proj)), self.post_norm, self.eps, self.gate_up)
+        return x, self.tp.all_reduce(ops.linear(a, self.down))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,21 +159,23 @@ class LlamaForCausalLM(nn.Module):
         ops, eps, last = self.ops, self.args.rms_norm_eps, len(self.layers) - 1
         rope = (self.cos_table, self.sin_table, positions)
         x = self._embed(input_ids)
-        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         fused = mixed = None
-        if self.tp.size == 1 and logits_indices.numel() == x.shape[0]:  # every row samples: a decode step
-            fused = ops.decode_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
-        if self.tp.size == 1 and fused is None:  # prefill chunks: all but the last layer's rows that sample
-            mixed = ops.mixed_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
+        if self.tp.size == 1 and ops.runs_stacks:
+            h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+            if logits_indices.numel() == x.shape[0]:  # every row samples: a decode step
+                fused = ops.decode_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
+            if fused is None:  # prefill chunks: all but the last layer's rows that sample
+                mixed = ops.mixed_layers(x, h, self._decode_stack, kv_caches, rope, attn, meta)
         if fused is not None:
             h = fused
         elif mixed is not None:
             x, m = self.layers[last].finish(*mixed, ops, logits_indices)
             x, h = ops.add_rms_norm(x, m, self.norm, eps)
-        else:
+        else:  # each layer adds the last one's output in with its input norm
+            m = None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-                x, m = layer(x, h, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
-                x, h = ops.add_rms_norm(x, m, self.norm if i == last else self.layers[i + 1].input_norm, eps)
+                x, m = layer(x, m, rope, k_cache, v_cache, attn, meta, ops, logits_indices if i == last else None)
+            x, h = ops.add_rms_norm(x, m, self.norm, eps)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.tp.gather_last_dim(ops.linear(h, head), self.args.vocab_size)
 

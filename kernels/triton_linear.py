@@ -1,0 +1,175 @@
+"""A decoder layer's RMSNorm (with the residual add before it) fused into the matmul after it, in Triton, for
+the model on a GPU.
+
+On an H200 a batch-256 decode step of SmolLM2-135M ran 309 kernels in 1.5 ms of device time
+(docs/benchmarks.md, "First runs on an H200"): cuBLAS's four GEMMs a layer took 0.54 ms at 256 rows, where the
+weights alone would stream in 0.07 ms, and the norms, rotary, store and SiLU kernels between them another 0.25
+ms, 2-5 us each whatever their size. Here the residual add, the norm and the qkv projection are one kernel, and
+so are the add, the norm, the gate/up projection and SiLU-and-multiply: a layer runs six kernels instead of nine.
+
+Each program computes a tile of output rows by output columns. It reads its rows twice: once for the
+sum of squares (the norm's scale per row), once to normalise them tile by tile into the matmul, rounding
+where `TritonLayerOps.add_rms_norm` rounds (the sum `x + residual` and the normalised rows in the model's
+dtype), so the matmul's input is the unfused path's. The programs of the first column tile also write the sum,
+the residual stream the layer goes on with. The matmul sums in float32 in its own order (cuBLAS's differs as
+much); the gated variant rounds the gate and up columns, then SiLU, as `silu_and_mul` does.
+
+Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels run in Triton's interpreter, whose bfloat16 `tl.dot`
+is wrong, so there (only) the dot products are computed in float32."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
+                        stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
+                        HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Rows `pid(0)`, output columns `pid(1)` of `rms_norm(x + res) @ w.T (+ b)`; GATED: of
+    `silu(h @ w[:N].T) * (h @ w[N:].T)`. The column-0 programs write `x + res` to `sum_ptr`."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < M
+    ks0 = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + ks0
+        ok = row_ok[:, None] & (ks < K)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            s = (s.to(tl.float32)
+                 + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
+            s = s.to(dt)
+            tl.store(sum_ptr + rows[:, None] * stride_sum + ks[None, :], s, mask=ok & (pid_n == 0))
+        sf = s.to(tl.float32)
+        ss += tl.sum(sf * sf, axis=1)
+    r = tl.rsqrt(ss / K + eps)
+
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + ks0
+        k_ok = ks < K
+        ok = row_ok[:, None] & k_ok[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            s = (s.to(tl.float32)
+                 + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
+            s = s.to(dt)
+        h = (s.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)
+        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        h = (h * nw[None, :]).to(dt)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if UPCAST:
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            u = tl.load(w_ptr + (cols[None, :] + N) * stride_w + ks[:, None], mask=w_ok, other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            acc_up = tl.dot(h, u, acc_up, input_precision=DOT_PRECISION)
+    if GATED:
+        g = acc.to(dt).to(tl.float32)
+        g = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (g * acc_up.to(dt).to(tl.float32)).to(dt)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """How the fused norm-and-matmul kernels launch: rows and columns of output per program (`block_m` is the
+    most rows: steps of fewer rows take the power of two at or above their count, at least 16, `tl.dot`'s
+    minimum), the reduction's tile, Triton's warps and pipeline stages; and the most rows a step may have for
+    the fused kernels (past it, prefill chunks: the norm kernel, then cuBLAS)."""
+
+    block_m: int = 32
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    max_rows: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1) or (name != "num_warps" and value < 16):
+                raise ValueError(f"{name} must be a power of two (block sizes at least 16), got {value}")
+        if self.num_stages < 1 or self.max_rows < 0:
+            raise ValueError(f"num_stages must be positive and max_rows not negative, got {self.num_stages}, "
+                             f"{self.max_rows}")
+
+    def rows_per_program(self, rows: int) -> int:
+        return min(self.block_m, max(16, triton.next_power_of_2(max(rows, 1))))
+
+
+# Read at every call (the GPU check's `linear_sweep` times others and may set the fastest, or None, for its
+# run). None: the layers run the norm kernel and cuBLAS's matmul apart, as before.
+NORM_LINEAR_CONFIG: LinearConfig | None = LinearConfig()
+
+
+def fused_rows_ok(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  config: LinearConfig | None) -> bool:
+    """Whether `TritonLayerOps` runs `norm_linear` on a step of `x`'s rows under `config`: some rows, at most
+    `max_rows`, in the weight's dtype and on its device, with unit stride along the reduction."""
+    return (config is not None and x.dim() == 2 and 0 < x.shape[0] <= config.max_rows and x.stride(1) == 1
+            and x.dtype == weight.dtype and x.device == weight.device and weight.dim() == 2
+            and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
+            and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1
+                                      and residual.dtype == x.dtype)))
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                config: LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`x + residual` in a new tensor, or `x` itself without a residual; `rms_norm(that) @ weight.T + bias`),
+    or with `gated` (`weight` is gate and up stacked, no bias) `silu(h @ gate.T) * (h @ up.T)`, in one kernel.
+    `x` and `residual` are [rows, hidden] with unit stride along hidden. `config`: `NORM_LINEAR_CONFIG`, else
+    the default."""
+    config = config or NORM_LINEAR_CONFIG or LinearConfig()
+    if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
+        raise ValueError("norm_linear needs [rows, hidden] inputs with unit stride along hidden")
+    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"norm_linear needs a [out, {x.shape[1]}] weight with unit stride along its rows, "
+                         f"got {tuple(weight.shape)}")
+    if gated and (bias is not None or weight.shape[0] % 2):
+        raise ValueError("gated norm_linear takes gate and up stacked (an even number of rows) and no bias")
+    m, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    total = x if residual is None else torch.empty_like(x)
+    if m:
+        block_m = config.rows_per_program(m)
+        upcast = interpreting() or x.dtype == torch.float32  # float32 dots in full precision, not TF32
+        res = x if residual is None else residual
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
+        _norm_linear_kernel[grid](
+            x, res, total, norm_weight, weight, weight if bias is None else bias, out, m, n, k,
+            x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0), eps,
+            HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+            BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return total, out

@@ -1,0 +1,141 @@
+"""The fused norm-and-matmul kernels (`kernels/triton_linear.py`) against the separate kernels they replace,
+at SmolLM2-135M's layer shapes, under several launch configs.
+
+Per decoder layer the model runs two of them: the residual add, input norm and qkv projection (576 -> 960),
+and the add, post-attention norm, gate/up projection (576 -> 2 x 1536) and SiLU-and-multiply. Unfused, that is
+the Triton norm kernel, cuBLAS's GEMM and (for the MLP) the SiLU kernel. This section captures the two ops of
+all 30 layers in one CUDA graph (2 in the dry run), as a decode step's graph runs them, and times its replays at the throughput
+section's batch and at one row, for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each config of a
+small grid, whose outputs it checks against the separate kernels'. The fastest config at the batch, if it beats
+the separate kernels by `APPLY_GAIN`, is set as `NORM_LINEAR_CONFIG` for the sections after it; if none does,
+the separate kernels are (None). The JSON says which the throughput section ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from loadtest.gpu_check.plan import Plan
+
+APPLY_GAIN = 1.05
+LAYERS, LAYERS_DRY = 30, 2
+# (hidden, qkv width, intermediate): SmolLM2-135M's, and a tiny one for the dry run
+SHAPE, SHAPE_DRY = (576, 960, 1536), (64, 128, 96)
+# relative to the largest output: the matmul sums in another order than cuBLAS, and the gated output goes
+# through SiLU and a product after two roundings to bfloat16
+MAX_REL_DIFF = 0.03
+
+
+def _grid(dry_run: bool) -> list:
+    from kernels.triton_linear import LinearConfig
+
+    if dry_run:
+        return [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=16, block_n=32, block_k=32)]
+    return [LinearConfig(**c) for c in (
+        dict(), dict(block_m=16), dict(block_m=64), dict(block_n=32), dict(block_n=128), dict(block_k=128),
+        dict(block_m=64, block_n=128, num_warps=8), dict(num_stages=2), dict(num_stages=4),
+        dict(block_m=16, block_n=32, block_k=128))]
+
+
+def _inputs(rows: int, shape: tuple[int, int, int], layers: int, device: torch.device, seed: int = 0) -> dict:
+    hidden, qkv, inter = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=torch.bfloat16)
+
+    return {"x": randn(rows, hidden, scale=3.0), "residual": randn(rows, hidden), "attn_out": randn(rows, hidden),
+            "norms": [randn(hidden, scale=0.1) + 1 for _ in range(2)],
+            "qkv": [randn(qkv, hidden, scale=hidden ** -0.5) for _ in range(layers)],
+            "gate_up": [randn(2 * inter, hidden, scale=hidden ** -0.5) for _ in range(layers)]}
+
+
+def _layers(ops, a: dict) -> list[torch.Tensor]:
+    """The two fused ops of every layer (each layer's own weights, as a step reads them)."""
+    outs = []
+    for qkv, gate_up in zip(a["qkv"], a["gate_up"]):
+        x, y = ops.norm_linear(a["x"], a["residual"], a["norms"][0], 1e-5, qkv)
+        outs += [y, ops.norm_gate_up(x, a["attn_out"], a["norms"][1], 1e-5, gate_up)[1]]
+    return outs
+
+
+def _time(fn, device: torch.device, repeats: int) -> tuple[float, list[torch.Tensor]]:
+    """Seconds per call of `fn`, captured in one CUDA graph on a GPU (as a decode step runs), eager elsewhere;
+    and its outputs."""
+    if device.type != "cuda":
+        outs = fn()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats, outs
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up off the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del graph
+    return seconds, [o.clone() for o in outs]
+
+
+def sweep(plan: Plan, repeats: int = 50) -> dict:
+    """Per row count: the separate kernels' time per step (all layers' two ops), and each config's with its
+    largest relative difference from them. Applies the fastest at the batch (see the module docstring)."""
+    from kernels import triton_linear
+    from kernels.triton_layer_ops import TritonLayerOps
+
+    device = torch.device(plan.device)
+    shape, layers = (SHAPE_DRY, LAYERS_DRY) if plan.dry_run else (SHAPE, LAYERS)
+    ops = TritonLayerOps()
+    configs = _grid(plan.dry_run)
+    default = triton_linear.NORM_LINEAR_CONFIG
+    repeats = repeats if not plan.dry_run else 1
+    by_rows = {}
+    try:
+        for rows in sorted({1, plan.batch}):
+            a = _inputs(rows, shape, layers, device)
+            triton_linear.NORM_LINEAR_CONFIG = None
+            base_s, reference = _time(lambda: _layers(ops, a), device, repeats)
+            scale = max(r.float().abs().max().item() for r in reference)
+            table = []
+            for config in configs:
+                row: dict = {"config": dataclasses.asdict(config)}
+                try:
+                    triton_linear.NORM_LINEAR_CONFIG = config
+                    seconds, outs = _time(lambda: _layers(ops, a), device, repeats)
+                    diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference)) / scale
+                    row |= {"us": seconds * 1e6, "max_rel_diff": diff, "ok": diff <= MAX_REL_DIFF,
+                            "speedup": base_s / seconds}
+                except Exception as e:  # a config that does not compile or launch here
+                    row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                table.append(row)
+            by_rows[rows] = {"separate_us": base_s * 1e6, "configs": table}
+    finally:
+        triton_linear.NORM_LINEAR_CONFIG = default
+    at_batch = by_rows[plan.batch]
+    good = [r for r in at_batch["configs"] if r.get("ok")]
+    best = min(good, key=lambda r: r["us"]) if good else None
+    if best is not None and best["us"] * APPLY_GAIN <= at_batch["separate_us"]:
+        choice = best["config"]
+    else:
+        choice = None
+    if not plan.dry_run:
+        triton_linear.NORM_LINEAR_CONFIG = None if choice is None else triton_linear.LinearConfig(**choice)
+    passed = all(r.get("ok") or "error" in r for rows in by_rows.values() for r in rows["configs"]) and bool(good)
+    return {"passed": passed, "layers": layers, "shape": dict(zip(("hidden", "qkv", "intermediate"), shape)),
+            "default": None if default is None else dataclasses.asdict(default), "best_at_batch": best,
+            "applied": "separate kernels" if choice is None else choice, "applied_to_later_sections": not plan.dry_run,
+            "rows": {str(k): v for k, v in by_rows.items()}}

@@ -1,0 +1,138 @@
+"""The fused norm-and-matmul kernels (`kernels/triton_linear.py`) against the torch layer ops they replace, on
+a GPU where there is one, else in Triton's interpreter: the residual add, RMSNorm and a projection (with and
+without a bias, for the first layer without a residual), and the gated MLP input (gate/up with
+SiLU-and-multiply); float32 and bfloat16; row counts that fill no tile; the launch configs; when
+`TritonLayerOps` takes the fused path and when it keeps the separate kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]' brings it)")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
+
+from kernels import triton_linear  # noqa: E402
+from kernels.layer_ops import TorchLayerOps  # noqa: E402
+from kernels.triton_layer_ops import TritonLayerOps  # noqa: E402
+from kernels.triton_linear import LinearConfig, norm_linear  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+# float32: sums in another order; bfloat16: the matmul's output can land a rounding step (or, through SiLU
+# and the product, a few) from cuBLAS's / oneDNN's, and the norm's scale one step from the unfused kernel's
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=0.13, rtol=2e-2)}
+GATED_TOLERANCE = {torch.float32: dict(atol=4e-5, rtol=1e-5), torch.bfloat16: dict(atol=0.5, rtol=4e-2)}
+torch_ops, triton_ops = TorchLayerOps(), TritonLayerOps()
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    return {"x": _randn(rows, k, dtype=dtype, seed=seed, scale=3.0),
+            "residual": _randn(rows, k, dtype=dtype, seed=seed + 1),
+            "norm_weight": _randn(k, dtype=dtype, seed=seed + 2, scale=0.1) + 1,
+            "weight": _randn(n, k, dtype=dtype, seed=seed + 3, scale=k ** -0.5),
+            "bias": _randn(n, dtype=dtype, seed=seed + 4)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 40])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_linear_matches_the_torch_ops(dtype, rows, residual, bias):
+    """A hidden size and an output width that are no multiple of the tiles (96 -> 80), rows that fill none."""
+    a = _inputs(rows, 96, 80, dtype, seed=rows)
+    res, b = (a["residual"] if residual else None), (a["bias"] if bias else None)
+    x_before = a["x"].clone()
+    total, y = triton_linear.norm_linear(a["x"], res, a["norm_weight"], 1e-5, a["weight"], b)
+    want_total, want_y = torch_ops.norm_linear(x_before.clone(), res, a["norm_weight"], 1e-5, a["weight"], b)
+    assert y.shape == (rows, 80) and y.dtype == dtype and total.shape == (rows, 96)
+    assert torch.equal(a["x"], x_before)  # the stream is not written in place
+    if residual:
+        torch.testing.assert_close(total, want_total, **({} if dtype == torch.float32 else TOLERANCE[dtype]))
+    else:
+        assert total is a["x"]
+    torch.testing.assert_close(y, want_y, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gated_norm_linear_matches_the_torch_ops(dtype, rows):
+    a = _inputs(rows, 96, 2 * 72, dtype, seed=10 + rows)
+    total, act = triton_linear.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"], gated=True)
+    want_total, want_act = torch_ops.norm_gate_up(a["x"].clone(), a["residual"], a["norm_weight"], 1e-5, a["weight"])
+    assert act.shape == (rows, 72)
+    torch.testing.assert_close(total, want_total, **({} if dtype == torch.float32 else TOLERANCE[dtype]))
+    torch.testing.assert_close(act, want_act, **GATED_TOLERANCE[dtype])
+
+
+def test_smollm2_shapes_in_bfloat16():
+    """SmolLM2-135M's layer: hidden 576, qkv 960 wide, gate/up 2 x 1536, at a decode batch of 24 rows."""
+    a = _inputs(24, 576, 960, torch.bfloat16, seed=3)
+    _, y = triton_ops.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"])
+    _, want = torch_ops.norm_linear(a["x"].clone(), a["residual"], a["norm_weight"], 1e-5, a["weight"])
+    torch.testing.assert_close(y, want, **TOLERANCE[torch.bfloat16])
+    gate_up = _randn(2 * 1536, 576, dtype=torch.bfloat16, seed=4, scale=576 ** -0.5)
+    _, act = triton_ops.norm_gate_up(a["x"], a["residual"], a["norm_weight"], 1e-5, gate_up)
+    _, want_act = torch_ops.norm_gate_up(a["x"].clone(), a["residual"], a["norm_weight"], 1e-5, gate_up)
+    torch.testing.assert_close(act, want_act, **GATED_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config", [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=64, block_n=32,
+                                                                                                  block_k=128, num_warps=8, num_stages=2)])
+def test_launch_configs_give_the_default_configs_result(config):
+    a = _inputs(37, 96, 80, torch.float32, seed=5)
+    want = triton_linear.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"], a["bias"])[1]
+    got = triton_linear.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"], a["bias"],
+                                    config=config)[1]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_rows_per_program_and_config_checks():
+    config = LinearConfig(block_m=64)
+    assert [config.rows_per_program(r) for r in (0, 1, 16, 17, 40, 64, 65, 512)] == [16, 16, 16, 32, 64, 64, 64, 64]
+    for bad in (dict(block_m=8), dict(block_n=48), dict(num_warps=3), dict(num_stages=0), dict(max_rows=-1)):
+        with pytest.raises(ValueError):
+            LinearConfig(**bad)
+
+
+def test_bad_inputs_are_refused():
+    a = _inputs(4, 96, 80, torch.float32)
+    with pytest.raises(ValueError, match="gated"):
+        triton_linear.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"], a["bias"], gated=True)
+    with pytest.raises(ValueError, match="weight"):
+        triton_linear.norm_linear(a["x"], None, a["norm_weight"], 1e-5, a["weight"][:, :64])
+    with pytest.raises(ValueError, match="unit stride"):
+        triton_linear.norm_linear(a["x"].t(), None, a["norm_weight"], 1e-5, a["weight"])
+
+
+def test_triton_ops_fuse_up_to_max_rows_and_not_without_a_config(monkeypatch):
+    """Steps of up to `max_rows` rows run the fused kernel; larger ones (prefill chunks) and every step under
+    `NORM_LINEAR_CONFIG = None` run the norm kernel and the matmul apart, with the same result."""
+    calls: list[int] = []
+    fused = triton_linear.norm_linear
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return fused(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_linear, "norm_linear", counted)
+    monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", LinearConfig(max_rows=8))
+    results = {}
+    for rows in (8, 9):
+        a = _inputs(rows, 96, 80, torch.float32, seed=rows)
+        results[rows] = triton_ops.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"])[1]
+        triton_ops.norm_gate_up(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"])
+        torch.testing.assert_close(results[rows], torch_ops.norm_linear(a["x"].clone(), a["residual"], a["norm_weight"],
+                                                                        1e-5, a["weight"])[1], **TOLERANCE[torch.float32])
+    assert calls == [8, 8]
+    monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", None)
+    a = _inputs(4, 96, 80, torch.float32)
+    triton_ops.norm_linear(a["x"], None, a["norm_weight"], 1e-5, a["weight"])
+    assert calls == [8, 8]
