@@ -93,8 +93,10 @@ class OutputProcessor:
             group.prompt_logprobs = [None]
         for req in requests:
             p = req.sampling_params
+            # a final-only request's text is read once, when it ends: decoded then, in one window
             detok = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens, p.stop_strings,
-                                           p.include_stop_str_in_output, p.spaces_between_special_tokens)
+                                           p.include_stop_str_in_output, p.spaces_between_special_tokens,
+                                           defer=output_kind is OutputKind.FINAL_ONLY)
             want_lp = p.logprobs is not None
             seq = _Sequence(req, detok, [] if want_lp else None, 0.0 if want_lp else None)
             group.seqs.append(seq)

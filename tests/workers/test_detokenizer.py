@@ -135,6 +135,50 @@ def test_the_decode_stream_gives_the_windows_text(tokenizer):
     assert _same_text_both_ways(tokenizer, cases, stop=["end", "ñ", "\n"]) > 50
 
 
+def _deferred_text_is_the_steps_text(tok, cases, defers: bool, **kw) -> None:
+    """Each (prompt, output) case fed token by token to a detokenizer that decodes every token and to two that
+    may defer (`defer=True`; whether they do: `defers`), one of them also read once partway: the same text
+    at the end, and partway the text the steps had given by then."""
+    import random
+
+    rng = random.Random(2)
+    for prompt, out in cases:
+        steps = IncrementalDetokenizer(tok, prompt, **kw)
+        deferred = IncrementalDetokenizer(tok, prompt, defer=True, **kw)
+        read_midway = IncrementalDetokenizer(tok, prompt, defer=True, **kw)
+        assert deferred._defer is defers and (deferred._stream is None or not defers)
+        midway = rng.randrange(len(out))
+        for i, t in enumerate(out):
+            assert steps.update([t]) is None and deferred.update([t]) is None and read_midway.update([t]) is None
+            if i == midway:
+                assert read_midway.output_text == steps.output_text, (prompt, out[:i + 1])
+        assert deferred.output_text == read_midway.output_text == steps.output_text, (prompt, out)
+
+
+def test_a_deferred_detokenizer_gives_the_steps_text(tokenizer):
+    """A final-only request's ids wait and are decoded in one window when its text is read: the same text as
+    token by token, characters split across tokens or left incomplete at the end, special tokens kept or
+    skipped. Stop strings and special-token spacing need each token seen, so they do not defer."""
+    import random
+
+    rng = random.Random(3)
+    vocab = len(tokenizer)
+    byte_ids = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
+
+    def pick() -> int:
+        r = rng.random()
+        return rng.choice(byte_ids) if r < 0.3 else rng.randrange(17) if r < 0.4 else rng.randrange(vocab)
+
+    text_ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    cases = [([pick() for _ in range(rng.randrange(1, 8))], text_ids if i % 4 == 0 else [pick() for _ in range(40)])
+             for i in range(300)]
+    for skip in (True, False):
+        _deferred_text_is_the_steps_text(tokenizer, cases, True, skip_special_tokens=skip)
+    assert not IncrementalDetokenizer(tokenizer, [1], stop=["x"], defer=True)._defer
+    assert not IncrementalDetokenizer(_spacing_tokenizer(), [1], skip_special_tokens=False,
+                                      spaces_between_special_tokens=False, defer=True)._defer
+
+
 def test_the_decode_stream_with_a_sentencepiece_style_decoder():
     """A tokenizer whose decoder turns a leading ▁ into a space (Metaspace): what a token adds depends on the
     one before, which the stream is primed with (the prompt's last tokens)."""
@@ -160,6 +204,8 @@ def test_the_decode_stream_with_a_sentencepiece_style_decoder():
               fast(TEXT).input_ids if i % 3 == 0 else [rng.randrange(len(fast)) for _ in range(40)]) for i in range(300)]
     for skip in (True, False):
         assert _same_text_both_ways(fast, cases, skip_special_tokens=skip) > 100
+        # byte fallback: each invalid byte its own U+FFFD, which a window can render otherwise; no deferring
+        _deferred_text_is_the_steps_text(fast, cases, False, skip_special_tokens=skip)
 
 
 def test_a_prompt_ending_in_part_of_a_character_keeps_the_window(tokenizer):

@@ -56,6 +56,23 @@ def test_cumulative_and_final_outputs_ignore_the_interval(tiny_model_dir):
     assert [len(v) for v in _run(tiny_model_dir, 4, OutputKind.FINAL_ONLY).values()] == [1, 1]
 
 
+def test_final_only_text_decoded_at_the_end_is_the_streamed_text(tiny_model_dir):
+    """A final-only request's tokens are decoded once it ends (`IncrementalDetokenizer(defer=True)`, in one
+    window): the same text as streamed token by token, for each sequence of an `n=2` request, over a random
+    model's tokens (characters split across tokens included)."""
+    streamed = _run(tiny_model_dir, 1, n=2, max_tokens=40)
+    final = _run(tiny_model_dir, 1, OutputKind.FINAL_ONLY, n=2, max_tokens=40)
+    split = 0
+    for rid in PROMPTS:
+        (out,) = final[rid]
+        for i in range(2):
+            text = "".join(o.outputs[i].text for o in streamed[rid])
+            assert out.outputs[i].text == text and out.outputs[i].token_ids == [
+                t for o in streamed[rid] for t in o.outputs[i].token_ids]
+            split += any(o.outputs[i].token_ids and not o.outputs[i].text for o in streamed[rid])
+    assert split  # some step's token left its character incomplete, so the window had something to wait for
+
+
 def test_the_interval_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="stream_interval"):
