@@ -63,6 +63,21 @@ class AttentionBackend(ABC, Generic[M]):
         ops.rope_(qk, *rope)
         self.write_kv(k_cache, v_cache, qk[:, qk.shape[1] - value.shape[1]:], value, meta)
 
+    def project_qkv(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, num_kv_heads: int, rope: tuple,
+                    ops, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: M) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's input: `x + residual` (`x` alone without one) and the q/k/v projection of its RMSNorm
+        (`ops.norm_linear`), the queries and keys rotated and the keys and values stored into their slots
+        (`rope_and_write_kv`). Returns the residual stream and the queries ([num_tokens, num_heads, head_dim]).
+        A backend may do it all in one kernel."""
+        x, qkv = ops.norm_linear(x, residual, norm_weight, eps, weight, bias)
+        t, width = qkv.shape
+        d = width // (num_heads + 2 * num_kv_heads)
+        qk = qkv[:, : (num_heads + num_kv_heads) * d].view(t, num_heads + num_kv_heads, d)
+        v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+        self.rope_and_write_kv(qk, v, rope, ops, k_cache, v_cache, meta)
+        return x, qk[:, :num_heads]
+
     @abstractmethod
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: M,
                 scale: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ Variants are the kernels' compile-time constants: dtype, the query-head group an
 shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
 attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, for
 the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel, and
-for the fused norm-and-matmul (`kernels.triton_linear`) each kind of projection at each tile height."""
+for the fused norm-and-matmul (`kernels.triton_linear`, and with the rotary and K/V store in
+`kernels.triton_attention`) each kind of projection at each tile height."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import (_paged_attention_kernel, _rope_store_kv_kernel, _store_kv_kernel,
-                                          launch_config, tile_shape)
+    from kernels.triton_attention import (_norm_qkv_rope_store_kernel, _paged_attention_kernel, _rope_store_kv_kernel,
+                                          _store_kv_kernel, launch_config, tile_shape)
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
     from kernels.triton_linear import NORM_LINEAR_CONFIG, LinearConfig, _norm_linear_kernel
 
@@ -117,6 +118,17 @@ def compile_all(arch: int) -> dict:
             build(_norm_linear_kernel, sig, cx,
                   f"norm_linear {short} block_m={block_m} residual={has_res} bias={has_bias} gated={gated} {config}",
                   {"num_warps": config.num_warps, "num_stages": config.num_stages})
+        # ... and with the rotary and K/V store (a layer's input), per head size
+        for block_m, (has_res, has_bias, _), head_dim in itertools.product(heights, NORM_LINEAR_KINDS[:3], (64, 128)):
+            pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "q_ptr", "cos_ptr",
+                                         "sin_ptr", "k_cache", "v_cache")}
+            pointers.update({"pos_ptr": "*i64", "slot_mapping": "*i64"})
+            consts = dict(HAS_RES=has_res, HAS_BIAS=has_bias, HALF=head_dim // 2, BLOCK_M=block_m,
+                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+            sig, cx = _signature(_norm_qkv_rope_store_kernel, pointers, {"eps"}, consts)
+            build(_norm_qkv_rope_store_kernel, sig, cx,
+                  f"norm_qkv_rope_store {short} block_m={block_m} residual={has_res} bias={has_bias} "
+                  f"head_dim={head_dim} {config}", {"num_warps": config.num_warps, "num_stages": config.num_stages})
     return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}
 
 

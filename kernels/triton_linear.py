@@ -32,6 +32,44 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, write_sum,
+              HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The RMSNorm scale of each of `rows` (`rsqrt(mean(s^2) + eps)` of `s = x + res` rounded to the dtype, or
+    of `x`), in float32; writes `s` to `sum_ptr` where `write_sum`."""
+    dt = x_ptr.dtype.element_ty
+    ks0 = tl.arange(0, BLOCK_K)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + ks0
+        ok = row_ok[:, None] & (ks < K)[None, :]
+        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            s = (s.to(tl.float32)
+                 + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
+            s = s.to(dt)
+            tl.store(sum_ptr + rows[:, None] * stride_sum + ks[None, :], s, mask=ok & write_sum)
+        sf = s.to(tl.float32)
+        ss += tl.sum(sf * sf, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def normed_tile(x_ptr, res_ptr, nw_ptr, rows, row_ok, ks, k_ok, r, stride_x, stride_res, HAS_RES: tl.constexpr):
+    """Columns `ks` of the normalised rows, rounded as `TritonLayerOps.add_rms_norm` rounds: `s` in the dtype,
+    `s * r` in the dtype, times the norm's weight in the dtype."""
+    dt = x_ptr.dtype.element_ty
+    ok = row_ok[:, None] & k_ok[None, :]
+    s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
+    if HAS_RES:
+        s = (s.to(tl.float32)
+             + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
+        s = s.to(dt)
+    h = (s.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)
+    nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    return (h * nw[None, :]).to(dt)
+
+
+@triton.jit
 def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
                         stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
@@ -44,37 +82,16 @@ def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, 
     dt = out_ptr.dtype.element_ty
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < M
-    ks0 = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + ks0
-        ok = row_ok[:, None] & (ks < K)[None, :]
-        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
-        if HAS_RES:
-            s = (s.to(tl.float32)
-                 + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
-            s = s.to(dt)
-            tl.store(sum_ptr + rows[:, None] * stride_sum + ks[None, :], s, mask=ok & (pid_n == 0))
-        sf = s.to(tl.float32)
-        ss += tl.sum(sf * sf, axis=1)
-    r = tl.rsqrt(ss / K + eps)
-
+    r = row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, pid_n == 0,
+                  HAS_RES, BLOCK_M, BLOCK_K)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + ks0
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        ok = row_ok[:, None] & k_ok[None, :]
-        s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
-        if HAS_RES:
-            s = (s.to(tl.float32)
-                 + tl.load(res_ptr + rows[:, None] * stride_res + ks[None, :], mask=ok, other=0.0).to(tl.float32))
-            s = s.to(dt)
-        h = (s.to(tl.float32) * r[:, None]).to(dt).to(tl.float32)
-        nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        h = (h * nw[None, :]).to(dt)
+        h = normed_tile(x_ptr, res_ptr, nw_ptr, rows, row_ok, ks, k_ok, r, stride_x, stride_res, HAS_RES)
         w_ok = k_ok[:, None] & col_ok[None, :]
         w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST:

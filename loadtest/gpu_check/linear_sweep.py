@@ -1,9 +1,10 @@
 """The fused norm-and-matmul kernels (`kernels/triton_linear.py`) against the separate kernels they replace,
 at SmolLM2-135M's layer shapes, under several launch configs.
 
-Per decoder layer the model runs two of them: the residual add, input norm and qkv projection (576 -> 960),
-and the add, post-attention norm, gate/up projection (576 -> 2 x 1536) and SiLU-and-multiply. Unfused, that is
-the Triton norm kernel, cuBLAS's GEMM and (for the MLP) the SiLU kernel. This section captures the two ops of
+Per decoder layer the model runs two of them: the residual add, input norm, qkv projection (576 -> 960),
+rotary embedding and K/V store (`TritonPagedAttention.project_qkv`), and the add, post-attention norm, gate/up
+projection (576 -> 2 x 1536) and SiLU-and-multiply. Unfused, that is the Triton norm kernel, cuBLAS's GEMM and
+the rotary-and-store kernel, or (for the MLP) the SiLU kernel. This section captures the two ops of
 all 30 layers in one CUDA graph (2 in the dry run), as a decode step's graph runs them, and times its replays at the throughput
 section's batch and at one row, for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each config of a
 small grid, whose outputs it checks against the separate kernels'. The fastest config at the batch, if it beats
@@ -21,8 +22,8 @@ from loadtest.gpu_check.plan import Plan
 
 APPLY_GAIN = 1.05
 LAYERS, LAYERS_DRY = 30, 2
-# (hidden, qkv width, intermediate): SmolLM2-135M's, and a tiny one for the dry run
-SHAPE, SHAPE_DRY = (576, 960, 1536), (64, 128, 96)
+# (hidden, (heads, kv_heads, head_dim), intermediate): SmolLM2-135M's, and a tiny one for the dry run
+SHAPE, SHAPE_DRY = (576, (9, 3, 64), 1536), (64, (2, 1, 32), 96)
 # relative to the largest output: the matmul sums in another order than cuBLAS, and the gated output goes
 # through SiLU and a product after two roundings to bfloat16
 MAX_REL_DIFF = 0.03
@@ -39,25 +40,40 @@ def _grid(dry_run: bool) -> list:
         dict(block_m=16, block_n=32, block_k=128))]
 
 
-def _inputs(rows: int, shape: tuple[int, int, int], layers: int, device: torch.device, seed: int = 0) -> dict:
-    hidden, qkv, inter = shape
+def _inputs(rows: int, shape: tuple, layers: int, device: torch.device, seed: int = 0) -> dict:
+    from kernels.triton_attention import TritonAttentionMetadata
+
+    hidden, (heads, kv_heads, head_dim), inter = shape
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*size: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=torch.bfloat16)
 
+    positions = 1024
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([torch.arange(positions).float()[:, None] * inv[None]] * 2, dim=-1)
+    rope = (emb.cos().to(device=device, dtype=torch.bfloat16), emb.sin().to(device=device, dtype=torch.bfloat16),
+            torch.randint(0, positions, (rows,), generator=gen).to(device))
+    blocks = -(-rows // 16)
     return {"x": randn(rows, hidden, scale=3.0), "residual": randn(rows, hidden), "attn_out": randn(rows, hidden),
-            "norms": [randn(hidden, scale=0.1) + 1 for _ in range(2)],
-            "qkv": [randn(qkv, hidden, scale=hidden ** -0.5) for _ in range(layers)],
+            "norms": [randn(hidden, scale=0.1) + 1 for _ in range(2)], "heads": (heads, kv_heads), "rope": rope,
+            "meta": TritonAttentionMetadata(torch.randperm(blocks * 16, generator=gen)[:rows].to(device), None, None,
+                                            None),
+            "caches": [(randn(blocks, 16, kv_heads, head_dim), randn(blocks, 16, kv_heads, head_dim))
+                       for _ in range(layers)],
+            "qkv": [randn((heads + 2 * kv_heads) * head_dim, hidden, scale=hidden ** -0.5) for _ in range(layers)],
             "gate_up": [randn(2 * inter, hidden, scale=hidden ** -0.5) for _ in range(layers)]}
 
 
-def _layers(ops, a: dict) -> list[torch.Tensor]:
-    """The two fused ops of every layer (each layer's own weights, as a step reads them)."""
+def _layers(attn, ops, a: dict) -> list[torch.Tensor]:
+    """The two fused ops of every layer (each layer's own weights and caches, as a step reads them): the
+    layer's input (`project_qkv`: the add, norm, qkv projection, rotary and K/V store) and the MLP's
+    (`norm_gate_up`). Returns the queries, each layer's keys and values, and the MLP inputs."""
     outs = []
-    for qkv, gate_up in zip(a["qkv"], a["gate_up"]):
-        x, y = ops.norm_linear(a["x"], a["residual"], a["norms"][0], 1e-5, qkv)
-        outs += [y, ops.norm_gate_up(x, a["attn_out"], a["norms"][1], 1e-5, gate_up)[1]]
+    for qkv, gate_up, (k_cache, v_cache) in zip(a["qkv"], a["gate_up"], a["caches"]):
+        x, q = attn.project_qkv(a["x"], a["residual"], a["norms"][0], 1e-5, qkv, None, *a["heads"], a["rope"], ops,
+                                k_cache, v_cache, a["meta"])
+        outs += [q, ops.norm_gate_up(x, a["attn_out"], a["norms"][1], 1e-5, gate_up)[1], k_cache, v_cache]
     return outs
 
 
@@ -65,7 +81,7 @@ def _time(fn, device: torch.device, repeats: int) -> tuple[float, list[torch.Ten
     """Seconds per call of `fn`, captured in one CUDA graph on a GPU (as a decode step runs), eager elsewhere;
     and its outputs."""
     if device.type != "cuda":
-        outs = fn()
+        outs = [o.clone() for o in fn()]
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
@@ -95,11 +111,12 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     """Per row count: the separate kernels' time per step (all layers' two ops), and each config's with its
     largest relative difference from them. Applies the fastest at the batch (see the module docstring)."""
     from kernels import triton_linear
+    from kernels.triton_attention import TritonPagedAttention
     from kernels.triton_layer_ops import TritonLayerOps
 
     device = torch.device(plan.device)
     shape, layers = (SHAPE_DRY, LAYERS_DRY) if plan.dry_run else (SHAPE, LAYERS)
-    ops = TritonLayerOps()
+    ops, attn = TritonLayerOps(), TritonPagedAttention(device)
     configs = _grid(plan.dry_run)
     default = triton_linear.NORM_LINEAR_CONFIG
     repeats = repeats if not plan.dry_run else 1
@@ -108,14 +125,14 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         for rows in sorted({1, plan.batch}):
             a = _inputs(rows, shape, layers, device)
             triton_linear.NORM_LINEAR_CONFIG = None
-            base_s, reference = _time(lambda: _layers(ops, a), device, repeats)
+            base_s, reference = _time(lambda: _layers(attn, ops, a), device, repeats)
             scale = max(r.float().abs().max().item() for r in reference)
             table = []
             for config in configs:
                 row: dict = {"config": dataclasses.asdict(config)}
                 try:
                     triton_linear.NORM_LINEAR_CONFIG = config
-                    seconds, outs = _time(lambda: _layers(ops, a), device, repeats)
+                    seconds, outs = _time(lambda: _layers(attn, ops, a), device, repeats)
                     diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference)) / scale
                     row |= {"us": seconds * 1e6, "max_rel_diff": diff, "ok": diff <= MAX_REL_DIFF,
                             "speedup": base_s / seconds}
@@ -135,7 +152,8 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     if not plan.dry_run:
         triton_linear.NORM_LINEAR_CONFIG = None if choice is None else triton_linear.LinearConfig(**choice)
     passed = all(r.get("ok") or "error" in r for rows in by_rows.values() for r in rows["configs"]) and bool(good)
-    return {"passed": passed, "layers": layers, "shape": dict(zip(("hidden", "qkv", "intermediate"), shape)),
+    return {"passed": passed, "layers": layers,
+            "shape": dict(zip(("hidden", "heads_kv_heads_head_dim", "intermediate"), shape)),
             "default": None if default is None else dataclasses.asdict(default), "best_at_batch": best,
             "applied": "separate kernels" if choice is None else choice, "applied_to_later_sections": not plan.dry_run,
             "rows": {str(k): v for k, v in by_rows.items()}}

@@ -136,3 +136,81 @@ def test_triton_ops_fuse_up_to_max_rows_and_not_without_a_config(monkeypatch):
     a = _inputs(4, 96, 80, torch.float32)
     triton_ops.norm_linear(a["x"], None, a["norm_weight"], 1e-5, a["weight"])
     assert calls == [8, 8]
+
+
+def _rope_tables(head_dim: int, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat([torch.arange(positions).float()[:, None] * inv[None]] * 2, dim=-1)
+    return emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 32), (2, 1, 128)])
+@pytest.mark.parametrize("rows,residual,bias", [(1, False, False), (17, True, False), (40, True, True)])
+def test_project_qkv_in_one_kernel_matches_the_separate_ops(dtype, heads, rows, residual, bias):
+    """`TritonPagedAttention.project_qkv` with the Triton layer ops (one kernel: add, norm, qkv, rotary, K/V
+    store) against the base backend's steps with the torch ops: the stream, the queries and the caches (keys
+    and values in their slots, a negative slot writing nowhere, every other slot untouched)."""
+    from kernels.attention import AttentionBackend
+    from kernels.triton_attention import TritonAttentionMetadata, TritonPagedAttention
+
+    nh, kvh, d = heads
+    hidden = 96
+    a = _inputs(rows, hidden, (nh + 2 * kvh) * d, dtype, seed=rows + d)
+    res, b = (a["residual"] if residual else None), (a["bias"] if bias else None)
+    cos, sin = _rope_tables(d, 300, dtype)
+    gen = torch.Generator().manual_seed(rows)
+    positions = torch.randint(0, 300, (rows,), generator=gen).to(DEVICE)
+    block_size, blocks = 16, 8
+    slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+    if rows > 1:
+        slots[rows // 2] = -1  # a padded row: writes nowhere
+    meta = TritonAttentionMetadata(slots.to(DEVICE), None, None, None)
+    attn = TritonPagedAttention(DEVICE)
+    caches = {}
+    for name, backend, ops in (("fused", attn, triton_ops), ("separate", attn, torch_ops)):
+        k_cache = torch.full((blocks, block_size, kvh, d), 7.0, dtype=dtype, device=DEVICE)
+        v_cache = torch.full_like(k_cache, 7.0)
+        project = AttentionBackend.project_qkv if name == "separate" else type(backend).project_qkv
+        total, q = project(backend, a["x"].clone(), res, a["norm_weight"], 1e-5, a["weight"], b, nh, kvh,
+                           (cos, sin, positions), ops, k_cache, v_cache, meta)
+        caches[name] = (total, q, k_cache, v_cache)
+    (total, q, k, v), (want_total, want_q, want_k, want_v) = caches["fused"], caches["separate"]
+    assert q.shape == (rows, nh, d) and q.is_contiguous()
+    torch.testing.assert_close(total, want_total, **({} if dtype == torch.float32 else TOLERANCE[dtype]))
+    torch.testing.assert_close(q, want_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, want_k, **TOLERANCE[dtype])
+    torch.testing.assert_close(v, want_v, **TOLERANCE[dtype])
+    written = torch.zeros(blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    untouched = ~written.view(blocks, block_size).to(DEVICE)
+    assert (k[untouched] == 7).all() and (v[untouched] == 7).all()
+    assert not (k[~untouched] == 7).all()
+
+
+def test_project_qkv_keeps_the_separate_kernels_where_it_cannot_fuse(monkeypatch):
+    """The torch layer ops, no config, more rows than `max_rows`, or a head_dim of 16: the base backend's
+    steps (the norm-and-matmul, then the rotary-and-store kernel)."""
+    from kernels import triton_attention
+    from kernels.triton_attention import TritonAttentionMetadata, TritonPagedAttention
+
+    calls = []
+    monkeypatch.setattr(triton_attention, "norm_qkv_rope_store", lambda *args, **kw: calls.append(1))
+    attn = TritonPagedAttention(DEVICE)
+
+    def project(ops, rows=4, d=32, config=LinearConfig()):
+        monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", config)
+        a = _inputs(rows, 64, 4 * d, torch.float32)
+        cos, sin = _rope_tables(d, 16, torch.float32)
+        cache = torch.zeros(4, 16, 1, d, device=DEVICE)
+        meta = TritonAttentionMetadata(torch.arange(rows, device=DEVICE), None, None, None)
+        attn.project_qkv(a["x"], None, a["norm_weight"], 1e-5, a["weight"], None, 2, 1,
+                         (cos, sin, torch.zeros(rows, dtype=torch.long, device=DEVICE)), ops, cache, cache.clone(), meta)
+
+    project(triton_ops)
+    assert calls == [1]
+    project(torch_ops)
+    project(triton_ops, config=None)
+    project(triton_ops, config=LinearConfig(max_rows=3))
+    project(triton_ops, d=16)
+    assert calls == [1]

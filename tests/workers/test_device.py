@@ -39,18 +39,24 @@ def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, r
 def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir, reference, monkeypatch, fused):
     """The model on CUDA takes the Triton layer ops with the Triton attention (`build_model`); here they run
     in Triton's interpreter through every kind of step (chunks, decodes, mixed), with the same tokens: with
-    each norm fused into the matmul after it (`kernels/triton_linear.py`, every layer's two) and without."""
-    from kernels import triton_linear
+    each norm fused into the matmul after it (every layer's two: `triton_attention.norm_qkv_rope_store` with
+    the rotary and K/V store, `triton_linear.norm_linear` for the MLP) and without."""
+    from kernels import triton_attention, triton_linear
     from kernels.triton_layer_ops import TritonLayerOps
 
     calls: list[bool] = []
-    kernel = triton_linear.norm_linear
+    mlp, qkv = triton_linear.norm_linear, triton_attention.norm_qkv_rope_store
 
-    def counted(*args, **kwargs):
+    def counted_mlp(*args, **kwargs):
         calls.append(kwargs.get("gated", False))
-        return kernel(*args, **kwargs)
+        return mlp(*args, **kwargs)
 
-    monkeypatch.setattr(triton_linear, "norm_linear", counted)
+    def counted_qkv(*args, **kwargs):
+        calls.append(False)
+        return qkv(*args, **kwargs)
+
+    monkeypatch.setattr(triton_linear, "norm_linear", counted_mlp)
+    monkeypatch.setattr(triton_attention, "norm_qkv_rope_store", counted_qkv)
     if not fused:
         monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", None)
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",

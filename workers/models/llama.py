@@ -108,13 +108,10 @@ class DecoderLayer(nn.Module):
         layer: `x` is the embeddings). Returns the stream after attention and the MLP's output, which the next
         layer (or the final norm) adds in. With `rows`, only those tokens go on past attention (every token
         still writes its K/V)."""
-        t = x.shape[0]
-        nh, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x, qkv = ops.norm_linear(x, m, self.input_norm, self.eps, self.qkv, self.qkv_bias)
-        qk = qkv[:, : (nh + kvh) * d].view(t, nh + kvh, d)
-        v = qkv[:, (nh + kvh) * d:].view(t, kvh, d)
-        attn.rope_and_write_kv(qk, v, rope, ops, k_cache, v_cache, meta)
-        o = attn.forward(qk[:, :nh], k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
+        t, nh, d = x.shape[0], self.num_heads, self.head_dim
+        x, q = attn.project_qkv(x, m, self.input_norm, self.eps, self.qkv, self.qkv_bias, nh, self.num_kv_heads, rope,
+                                ops, k_cache, v_cache, meta)
+        o = attn.forward(q, k_cache, v_cache, meta, d ** -0.5).view(t, nh * d)
         return self.finish(x, o, ops, rows)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor, ops: TorchLayerOps,
