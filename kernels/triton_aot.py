@@ -23,7 +23,8 @@ STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
 NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
 ROPE_SHAPES = [(9 + 3, 64), (32 + 8, 128), (8 + 2, 32)]  # (query + KV heads, head_dim)
 ROPE_STORE_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 2, 32)]  # (query heads, KV heads, head_dim)
-# the fused norm-and-matmul's kinds (residual, bias, gated): the first layer's qkv, qkv, qkv with a bias, gate/up
+# the fused norm-and-matmul's kinds (residual, bias, gated): the first layer's qkv, qkv, qkv with a bias, gate/up;
+# the plain matmul (`plain_matmuls`) is compiled besides, with and without a bias
 NORM_LINEAR_KINDS = [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
 
 
@@ -110,14 +111,15 @@ def compile_all(arch: int) -> dict:
         config = NORM_LINEAR_CONFIG or LinearConfig()
         heights = sorted({config.rows_per_program(rows) for rows in (1, 17, 33, 65, 129, config.max_rows)})
         upcast = short == "fp32"
-        for block_m, (has_res, has_bias, gated) in itertools.product(heights, NORM_LINEAR_KINDS):
+        kinds = [(*kind, True) for kind in NORM_LINEAR_KINDS] + [(False, False, False, False), (False, True, False, False)]
+        for block_m, (has_res, has_bias, gated, norm) in itertools.product(heights, kinds):
             pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr")}
             consts = dict(HAS_RES=has_res, HAS_BIAS=has_bias, GATED=gated, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
+                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", NORM=norm)
             sig, cx = _signature(_norm_linear_kernel, pointers, {"eps"}, consts)
             build(_norm_linear_kernel, sig, cx,
-                  f"norm_linear {short} block_m={block_m} residual={has_res} bias={has_bias} gated={gated} {config}",
-                  {"num_warps": config.num_warps, "num_stages": config.num_stages})
+                  f"{'norm_linear' if norm else 'linear'} {short} block_m={block_m} residual={has_res} bias={has_bias} "
+                  f"gated={gated} {config}", {"num_warps": config.num_warps, "num_stages": config.num_stages})
         # ... and with the rotary and K/V store (a layer's input), per head size
         for block_m, (has_res, has_bias, _), head_dim in itertools.product(heights, NORM_LINEAR_KINDS[:3], (64, 128)):
             pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "q_ptr", "cos_ptr",

@@ -13,6 +13,7 @@ state and read no device value on the host, so decode steps capture them in CUDA
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -154,9 +155,19 @@ class TritonLayerOps(TorchLayerOps):
     """`TorchLayerOps` with the norms, rotary embedding and SiLU-and-multiply as one Triton kernel each, and
     (under `triton_linear.NORM_LINEAR_CONFIG`, for steps of up to its `max_rows`) each norm fused with the
     matmul after it, and SiLU-and-multiply with the gate/up matmul (`kernels/triton_linear.py`). Other
-    matmuls stay cuBLAS's; layers run one by one."""
+    matmuls stay cuBLAS's unless the config's `plain_matmuls` says; layers run one by one."""
 
     name = "triton"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """cuBLAS's (`F.linear`), or under a `NORM_LINEAR_CONFIG` with `plain_matmuls` the fused kernels' matmul
+        for steps it takes, up to `PLAIN_MAX_OUT` outputs (not the LM head)."""
+        config = triton_linear.NORM_LINEAR_CONFIG
+        if (config is not None and config.plain_matmuls and weight.shape[0] <= triton_linear.PLAIN_MAX_OUT
+                and triton_linear.fused_rows_ok(x, None, weight, config)):
+            return triton_linear.linear(x, weight, bias, config)
+        return F.linear(x, weight, bias)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,16 +74,18 @@ def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, 
                         stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NORM: tl.constexpr = True):
     """Rows `pid(0)`, output columns `pid(1)` of `rms_norm(x + res) @ w.T (+ b)`; GATED: of
-    `silu(h @ w[:N].T) * (h @ w[N:].T)`. The column-0 programs write `x + res` to `sum_ptr`."""
+    `silu(h @ w[:N].T) * (h @ w[N:].T)`. The column-0 programs write `x + res` to `sum_ptr`. Without NORM
+    (and without a residual): `x @ w.T (+ b)`, a plain matmul."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < M
-    r = row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, pid_n == 0,
-                  HAS_RES, BLOCK_M, BLOCK_K)
+    if NORM:
+        r = row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, pid_n == 0,
+                      HAS_RES, BLOCK_M, BLOCK_K)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     col_ok = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -91,7 +93,10 @@ def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, 
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        h = normed_tile(x_ptr, res_ptr, nw_ptr, rows, row_ok, ks, k_ok, r, stride_x, stride_res, HAS_RES)
+        if NORM:
+            h = normed_tile(x_ptr, res_ptr, nw_ptr, rows, row_ok, ks, k_ok, r, stride_x, stride_res, HAS_RES)
+        else:
+            h = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
         w = tl.load(w_ptr + cols[None, :] * stride_w + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST:
@@ -118,8 +123,9 @@ def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, 
 class LinearConfig:
     """How the fused norm-and-matmul kernels launch: rows and columns of output per program (`block_m` is the
     most rows: steps of fewer rows take the power of two at or above their count, at least 16, `tl.dot`'s
-    minimum), the reduction's tile, Triton's warps and pipeline stages; and the most rows a step may have for
-    the fused kernels (past it, prefill chunks: the norm kernel, then cuBLAS)."""
+    minimum), the reduction's tile, Triton's warps and pipeline stages; the most rows a step may have for
+    the fused kernels (past it, prefill chunks: the norm kernel, then cuBLAS); and whether the layers' other
+    matmuls run in this kernel too (`linear`; the LM head, vocabulary-wide, stays cuBLAS's)."""
 
     block_m: int = 32
     block_n: int = 64
@@ -127,6 +133,8 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 3
     max_rows: int = 512
+    # the layers' other matmuls (o_proj, down) in the same kernel too, unnormalised, instead of cuBLAS's
+    plain_matmuls: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -155,6 +163,36 @@ def fused_rows_ok(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
             and weight.stride(1) == 1 and x.shape[1] == weight.shape[1]
             and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1
                                       and residual.dtype == x.dtype)))
+
+
+# `TritonLayerOps.linear` leaves matmuls wider than this to cuBLAS: the LM head (a vocabulary wide), which the
+# GPU check's sweep does not time
+PLAIN_MAX_OUT = 16384
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: LinearConfig | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` ([rows, in] with unit stride along `in`) in the fused kernels' matmul, float32 sums
+    rounded once. `config`: `NORM_LINEAR_CONFIG`, else the default."""
+    config = config or NORM_LINEAR_CONFIG or LinearConfig()
+    if x.dim() != 2 or x.stride(1) != 1 or weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"linear needs [rows, in] inputs and an [out, in] weight with unit stride along in, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        block_m = config.rows_per_program(m)
+        upcast = interpreting() or x.dtype == torch.float32
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
+        _norm_linear_kernel[grid](
+            x, x, x, x, weight, weight if bias is None else bias, out, m, n, k,
+            x.stride(0), x.stride(0), x.stride(0), weight.stride(0), out.stride(0), 0.0,
+            HAS_RES=False, HAS_BIAS=bias is not None, GATED=False, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", NORM=False,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

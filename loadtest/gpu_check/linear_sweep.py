@@ -4,10 +4,11 @@ at SmolLM2-135M's layer shapes, under several launch configs.
 Per decoder layer the model runs two of them: the residual add, input norm, qkv projection (576 -> 960),
 rotary embedding and K/V store (`TritonPagedAttention.project_qkv`), and the add, post-attention norm, gate/up
 projection (576 -> 2 x 1536) and SiLU-and-multiply. Unfused, that is the Triton norm kernel, cuBLAS's GEMM and
-the rotary-and-store kernel, or (for the MLP) the SiLU kernel. This section captures the two ops of
-all 30 layers in one CUDA graph (2 in the dry run), as a decode step's graph runs them, and times its replays at the throughput
-section's batch and at one row, for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each config of a
-small grid, whose outputs it checks against the separate kernels'. The fastest config at the batch, if it beats
+the rotary-and-store kernel, or (for the MLP) the SiLU kernel. Between them o_proj and down run on cuBLAS, or
+in the same kernel without the norm (`plain_matmuls`). This section captures every layer but its attention,
+all 30 (2 in the dry run), in one CUDA graph, as a decode step's graph runs them, and times its replays at the
+throughput section's batch and at one row, for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each
+config of a small grid, whose outputs it checks against the separate kernels'. The fastest config at the batch, if it beats
 the separate kernels by `APPLY_GAIN`, is set as `NORM_LINEAR_CONFIG` for the sections after it; if none does,
 the separate kernels are (None). The JSON says which the throughput section ran."""
 
@@ -33,11 +34,13 @@ def _grid(dry_run: bool) -> list:
     from kernels.triton_linear import LinearConfig
 
     if dry_run:
-        return [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=16, block_n=32, block_k=32)]
-    return [LinearConfig(**c) for c in (
-        dict(), dict(block_m=16), dict(block_m=64), dict(block_n=32), dict(block_n=128), dict(block_k=128),
-        dict(block_m=64, block_n=128, num_warps=8), dict(num_stages=2), dict(num_stages=4),
-        dict(block_m=16, block_n=32, block_k=128))]
+        return [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=16, block_n=32, block_k=32),
+                LinearConfig(block_m=16, block_n=32, block_k=32, plain_matmuls=True)]
+    shapes = (dict(), dict(block_m=16), dict(block_m=64), dict(block_n=32), dict(block_n=128), dict(block_k=128),
+              dict(block_m=64, block_n=128, num_warps=8), dict(num_stages=2), dict(num_stages=4),
+              dict(block_m=16, block_n=32, block_k=128))
+    # each with cuBLAS's o_proj and down, and the first five with the kernel's
+    return [LinearConfig(**c) for c in shapes] + [LinearConfig(**c, plain_matmuls=True) for c in shapes[:5]]
 
 
 def _inputs(rows: int, shape: tuple, layers: int, device: torch.device, seed: int = 0) -> dict:
@@ -62,18 +65,24 @@ def _inputs(rows: int, shape: tuple, layers: int, device: torch.device, seed: in
             "caches": [(randn(blocks, 16, kv_heads, head_dim), randn(blocks, 16, kv_heads, head_dim))
                        for _ in range(layers)],
             "qkv": [randn((heads + 2 * kv_heads) * head_dim, hidden, scale=hidden ** -0.5) for _ in range(layers)],
-            "gate_up": [randn(2 * inter, hidden, scale=hidden ** -0.5) for _ in range(layers)]}
+            "o_proj": [randn(hidden, heads * head_dim, scale=(heads * head_dim) ** -0.5) for _ in range(layers)],
+            "gate_up": [randn(2 * inter, hidden, scale=hidden ** -0.5) for _ in range(layers)],
+            "down": [randn(hidden, inter, scale=inter ** -0.5) for _ in range(layers)]}
 
 
 def _layers(attn, ops, a: dict) -> list[torch.Tensor]:
-    """The two fused ops of every layer (each layer's own weights and caches, as a step reads them): the
-    layer's input (`project_qkv`: the add, norm, qkv projection, rotary and K/V store) and the MLP's
-    (`norm_gate_up`). Returns the queries, each layer's keys and values, and the MLP inputs."""
+    """Every layer but its attention, each with its own weights and caches as a step reads them: the layer's
+    input (`project_qkv`: the add, norm, qkv projection, rotary and K/V store), o_proj (of the queries, standing
+    in for attention's output), the MLP's input (`norm_gate_up`) and down. Returns the queries, each layer's
+    keys and values, o_proj's and the MLP's outputs."""
     outs = []
-    for qkv, gate_up, (k_cache, v_cache) in zip(a["qkv"], a["gate_up"], a["caches"]):
+    for qkv, o_proj, gate_up, down, (k_cache, v_cache) in zip(a["qkv"], a["o_proj"], a["gate_up"], a["down"],
+                                                              a["caches"]):
         x, q = attn.project_qkv(a["x"], a["residual"], a["norms"][0], 1e-5, qkv, None, *a["heads"], a["rope"], ops,
                                 k_cache, v_cache, a["meta"])
-        outs += [q, ops.norm_gate_up(x, a["attn_out"], a["norms"][1], 1e-5, gate_up)[1], k_cache, v_cache]
+        o = ops.linear(q.reshape(q.shape[0], -1), o_proj)
+        m = ops.linear(ops.norm_gate_up(x, o, a["norms"][1], 1e-5, gate_up)[1], down)
+        outs += [q, o, m, k_cache, v_cache]
     return outs
 
 

@@ -176,11 +176,12 @@ def summary(report: dict) -> str:
     for rows, data in ls.get("rows", {}).items():
         fastest = sorted((r for r in data["configs"] if r.get("us")), key=lambda r: r["us"])[:3]
         best = ", ".join(f"{r['us']:.0f} us ({r['config']['block_m']}x{r['config']['block_n']}x{r['config']['block_k']}"
-                         f" w{r['config']['num_warps']} s{r['config']['num_stages']})" for r in fastest)
-        lines.append(f"  norm+matmul x{ls['layers']} layers, {rows} rows: separate {data['separate_us']:.0f} us; "
+                         f" w{r['config']['num_warps']} s{r['config']['num_stages']}"
+                         f"{' plain' if r['config']['plain_matmuls'] else ''})" for r in fastest)
+        lines.append(f"  layers but attention x{ls['layers']}, {rows} rows: separate {data['separate_us']:.0f} us; "
                      f"fused {best}")
     if ls.get("applied") and not report["mode"] == "dry-run":
-        lines.append(f"  norm+matmul applied for the sections after: {ls['applied']}")
+        lines.append(f"  fused norm+matmul config applied for the sections after: {ls['applied']}")
     tp = report["checks"].get("throughput", {})
     for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step"):
         b = tp.get("batch", {}).get(kind, {})

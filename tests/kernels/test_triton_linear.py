@@ -214,3 +214,29 @@ def test_project_qkv_keeps_the_separate_kernels_where_it_cannot_fuse(monkeypatch
     project(triton_ops, config=LinearConfig(max_rows=3))
     project(triton_ops, d=16)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_linear_matches_f_linear(dtype, rows, bias):
+    a = _inputs(rows, 96, 80, dtype, seed=20 + rows)
+    b = a["bias"] if bias else None
+    got = triton_linear.linear(a["x"], a["weight"], b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(a["x"], a["weight"], b), **TOLERANCE[dtype])
+
+
+def test_triton_ops_linear_takes_the_kernel_only_under_plain_matmuls(monkeypatch):
+    """cuBLAS's matmul unless the config says `plain_matmuls`; then the kernel for steps it takes, but not for
+    a matmul wider than `PLAIN_MAX_OUT` (the LM head)."""
+    calls: list[int] = []
+    kernel = triton_linear.linear
+    monkeypatch.setattr(triton_linear, "linear", lambda x, w, *a, **k: calls.append(w.shape[0]) or kernel(x, w, *a, **k))
+    monkeypatch.setattr(triton_linear, "PLAIN_MAX_OUT", 64)
+    x = _randn(5, 32, dtype=torch.float32, seed=1)
+    narrow, wide = _randn(64, 32, dtype=torch.float32, seed=2), _randn(80, 32, dtype=torch.float32, seed=3)
+    for config in (LinearConfig(), None, LinearConfig(plain_matmuls=True), LinearConfig(plain_matmuls=True, max_rows=4)):
+        monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", config)
+        for w in (narrow, wide):
+            torch.testing.assert_close(triton_ops.linear(x, w), torch.nn.functional.linear(x, w), **TOLERANCE[torch.float32])
+    assert calls == [64]
