@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU checks, in one call of the `device` tool (about 4 of its 7 minutes on an H200):
+# Everything a lent GPU checks, in one call of the `device` tool (about 5 of its 7 minutes on an H200):
 #
 #   here:   .venv/bin/python -m loadtest.gpu_check --prepare .gpu_check/model
 #   device: bash loadtest/gpu_check/device_run.sh         (carry [".gpu_check"], timeout_s 420)

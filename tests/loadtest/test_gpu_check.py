@@ -80,9 +80,10 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
     linear = checks["linear_sweep"]
     assert set(linear["rows"]) == {"1", "2"} and linear["default"] is not None
-    for data in linear["rows"].values():
-        assert data["separate_us"] > 0 and len(data["configs"]) >= 2
+    for rows, data in linear["rows"].items():
+        assert data["separate_us"] > 0 and len(data["configs"]) >= (3 if rows == "2" else 1)
         assert all(r["ok"] and r["us"] > 0 and r["max_rel_diff"] < 0.03 for r in data["configs"])
+    assert any(r["config"]["plain_matmuls"] for r in linear["rows"]["2"]["configs"])
     assert not linear["applied_to_later_sections"]
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
