@@ -112,13 +112,12 @@ def _same_text_both_ways(tok, cases, **kw) -> int:
     return streamed
 
 
-def test_the_decode_stream_gives_the_windows_text(tokenizer):
-    """The Rust `DecodeStream` takes over the window for the default tokenizer: the same text after every
-    token on random ids, a third of them byte tokens that split characters (also mid-prompt and left
-    incomplete), special tokens kept or skipped, with stop strings."""
+def _random_cases(tokenizer, seed: int) -> list[tuple[list[int], list[int]]]:
+    """300 (prompt, output) id lists: random ids, a third of them byte tokens that split characters (also
+    mid-prompt and left incomplete), every fourth output the text `TEXT`."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     vocab = len(tokenizer)
     byte_ids = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
     assert len(byte_ids) > 100
@@ -128,8 +127,15 @@ def test_the_decode_stream_gives_the_windows_text(tokenizer):
         return rng.choice(byte_ids) if r < 0.3 else rng.randrange(17) if r < 0.4 else rng.randrange(vocab)
 
     text_ids = tokenizer(TEXT, add_special_tokens=False).input_ids
-    cases = [([pick() for _ in range(rng.randrange(1, 8))], text_ids if i % 4 == 0 else [pick() for _ in range(40)])
-             for i in range(300)]
+    return [([pick() for _ in range(rng.randrange(1, 8))], text_ids if i % 4 == 0 else [pick() for _ in range(40)])
+            for i in range(300)]
+
+
+def test_the_decode_stream_gives_the_windows_text(tokenizer):
+    """The Rust `DecodeStream` takes over the window for the default tokenizer: the same text after every
+    token on random ids, a third of them byte tokens that split characters (also mid-prompt and left
+    incomplete), special tokens kept or skipped, with stop strings."""
+    cases = _random_cases(tokenizer, seed=0)
     for skip in (True, False):
         assert _same_text_both_ways(tokenizer, cases, skip_special_tokens=skip) > 50
     assert _same_text_both_ways(tokenizer, cases, stop=["end", "ñ", "\n"]) > 50
@@ -159,19 +165,7 @@ def test_a_deferred_detokenizer_gives_the_steps_text(tokenizer):
     """A final-only request's ids wait and are decoded in one window when its text is read: the same text as
     token by token, characters split across tokens or left incomplete at the end, special tokens kept or
     skipped. Stop strings and special-token spacing need each token seen, so they do not defer."""
-    import random
-
-    rng = random.Random(3)
-    vocab = len(tokenizer)
-    byte_ids = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
-
-    def pick() -> int:
-        r = rng.random()
-        return rng.choice(byte_ids) if r < 0.3 else rng.randrange(17) if r < 0.4 else rng.randrange(vocab)
-
-    text_ids = tokenizer(TEXT, add_special_tokens=False).input_ids
-    cases = [([pick() for _ in range(rng.randrange(1, 8))], text_ids if i % 4 == 0 else [pick() for _ in range(40)])
-             for i in range(300)]
+    cases = _random_cases(tokenizer, seed=3)
     for skip in (True, False):
         _deferred_text_is_the_steps_text(tokenizer, cases, True, skip_special_tokens=skip)
     assert not IncrementalDetokenizer(tokenizer, [1], stop=["x"], defer=True)._defer
