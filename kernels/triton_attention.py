@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_linear
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.triton_layer_ops import rotate_in_place
-from kernels import triton_linear
 from kernels.triton_linear import interpreting, normed_tile, row_scale
 
 

@@ -94,10 +94,6 @@ class IncrementalDetokenizer:
             self._flush()
         return self._text
 
-    @output_text.setter
-    def output_text(self, text: str) -> None:
-        self._text = text
-
     def _flush(self) -> None:
         """Decode the waiting ids in one window: the text up to the last of them after which it ends on a
         whole character, which the steps one token at a time would have given by then."""
