@@ -47,8 +47,8 @@ def compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import (_norm_qkv_rope_store_kernel, _paged_attention_kernel, _rope_store_kv_kernel,
-                                          _store_kv_kernel, launch_config, tile_shape)
+    from kernels.triton_attention import (_combine_splits_kernel, _norm_qkv_rope_store_kernel, _paged_attention_kernel,
+                                          _rope_store_kv_kernel, _store_kv_kernel, launch_config, tile_shape)
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
     from kernels.triton_linear import NORM_LINEAR_CONFIG, LinearConfig, _norm_linear_kernel
 
@@ -69,15 +69,23 @@ def compile_all(arch: int) -> dict:
             config = launch_config(getattr(torch, DTYPES[short]), one_query)
             block_q, group_p, head_dim_p = tile_shape(group, head_dim)
             upcast = short == "fp32"
-            consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
-                          BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-                          ONE_QUERY=one_query)
             pointers = {n: ptr for n in ("q_ptr", "k_cache", "v_cache", "out_ptr")}
             pointers.update({n: "*i64" for n in ("block_tables", "seq_lens", "query_start_loc")})
-            sig, cx = _signature(_paged_attention_kernel, pointers, {"scale"}, consts)
-            build(_paged_attention_kernel, sig, cx,
-                  f"attention {short} group={group} head_dim={head_dim} one_query={one_query} {config}",
-                  {"num_warps": config.num_warps, "num_stages": config.num_stages})
+            # a decode step's keys split between programs (`LaunchConfig.num_splits`; the sweep tries 2-4)
+            for splits in (config.num_splits, 4) if one_query and short != "fp32" else (config.num_splits,):
+                consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
+                              BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+                              ONE_QUERY=one_query, NUM_SPLITS=splits if one_query else 1)
+                ptrs = dict(pointers, part_acc="*fp32" if splits > 1 else ptr, part_ml="*fp32" if splits > 1 else ptr)
+                sig, cx = _signature(_paged_attention_kernel, ptrs, {"scale"}, consts)
+                build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim} "
+                      f"one_query={one_query} splits={splits} {config}",
+                      {"num_warps": config.num_warps, "num_stages": config.num_stages})
+        for head_dim in (64, 128):
+            sig, cx = _signature(_combine_splits_kernel, {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": ptr},
+                                 set(), dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim, NUM_SPLITS=4, SPLITS_P=4))
+            build(_combine_splits_kernel, sig, cx, f"combine_splits {short} head_dim={head_dim}",
+                  {"num_warps": 1 if head_dim <= 64 else 2})
         for row in STORE_ROWS:
             pointers = {n: ptr for n in ("key", "value", "k_cache", "v_cache")}
             pointers["slot_mapping"] = "*i64"

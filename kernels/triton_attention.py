@@ -49,11 +49,14 @@ def _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, num_seqs, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, block_size,
+    stride_bt, block_size, part_acc, part_ml, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr,
+    ONE_QUERY: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
 ):
+    """Tile `pid(0)` (with ONE_QUERY: sequence `pid(0)`), KV head `pid(1)`. With NUM_SPLITS > 1 (ONE_QUERY
+    only) program `pid(2)` takes that share of the sequence's keys and writes its unnormalised output, running
+    max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if ONE_QUERY:  # a decode step: one query token per sequence, one tile per sequence, no search
@@ -88,7 +91,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
     last = tl.minimum(seq_len, context + q_start + BLOCK_Q)  # keys past the tile's last query are masked
-    for start in range(0, last, BLOCK_N):
+    first = 0
+    if NUM_SPLITS > 1:  # this program's share of the keys, whole tiles
+        share = tl.cdiv(tl.cdiv(last, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        first = tl.program_id(2) * share
+        last = tl.minimum(last, first + share)
+    for start in range(first, last, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < last
         block = tl.load(block_tables + seq * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
@@ -111,9 +119,41 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m_i = m_new
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_offs = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
+        p_offs = (q_begin + q_idx)[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + dims[None, :]
+        tl.store(part_acc + p_offs, acc, mask=row_ok[:, None] & dim_ok[None, :])
+        ml = part_ml + (q_begin + q_idx) * stride_mt + head * stride_mh + split * 2
+        tl.store(ml, m_i, mask=row_ok)
+        tl.store(ml + 1, l_i, mask=row_ok)
+    else:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = (q_begin + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                           stride_ot, stride_oh, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+    """Token `pid(0)`, query head `pid(1)`: its splits' outputs, each rescaled from its own running max to the
+    largest, summed and divided by the rescaled sums (a split that saw no key has max -inf and weighs 0)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P)
+    sp_ok = sp < NUM_SPLITS
+    ml = part_ml + t * stride_mt + h * stride_mh + sp * 2
+    m = tl.load(ml, mask=sp_ok, other=float("-inf"))
+    l = tl.load(ml + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(l * w, 0)
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dims < HEAD_DIM
+    acc = tl.load(part_acc + t * stride_pt + h * stride_ph + sp[:, None] * stride_ps + dims[None, :],
+                  mask=sp_ok[:, None] & dim_ok[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 @triton.jit
@@ -232,19 +272,23 @@ def _norm_qkv_rope_store_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, q
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
-    stages of the key loop (Triton's `num_warps`, `num_stages`)."""
+    stages of the key loop (Triton's `num_warps`, `num_stages`), and for decode steps the programs per
+    sequence and KV head (`num_splits`)."""
 
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    # decode steps only: each sequence's keys split between this many programs, whose outputs a second kernel
+    # combines (more programs in flight per SM where a batch has few sequences for the GPU's SMs)
+    num_splits: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
             value = getattr(self, name)
             if value < 16 and name == "block_n" or value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two (block_n at least 16), got {value}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be positive, got {self.num_stages}")
+        if self.num_stages < 1 or self.num_splits < 1:
+            raise ValueError(f"num_stages and num_splits must be positive, got {self.num_stages}, {self.num_splits}")
 
 
 # Read at every launch (the GPU check's `attention_sweep` times others and may set the fastest for its run):
@@ -293,17 +337,38 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     group = num_heads // num_kv_heads
     block_q, group_p, head_dim_p = tile_shape(group, head_dim)
     grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)
+    one_query = num_tokens == num_seqs
+    splits = config.num_splits if one_query and num_tokens else 1
     upcast = interpreting() or query.dtype == torch.float32  # float32 dots in full precision, not TF32
+    if splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=query.device)
+        grid = (*grid, splits)
+    else:
+        part_acc = part_ml = out
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_size,
+        block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-        ONE_QUERY=num_tokens == num_seqs, num_warps=config.num_warps, num_stages=config.num_stages,
+        ONE_QUERY=one_query, NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, *_split_strides(part_acc, part_ml, splits), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
+            num_warps=1 if head_dim_p <= 64 else 2)
     return out
+
+
+def _split_strides(part_acc: torch.Tensor, part_ml: torch.Tensor, splits: int) -> tuple[int, ...]:
+    """(token, head, split) strides of the partial outputs and (token, head) of their max and sum; zeros
+    without splits (the kernel then writes `out` alone)."""
+    if splits == 1:
+        return (0,) * 5
+    return (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_ml.stride(0), part_ml.stride(1))
 
 
 def rope_store_kv(qk: torch.Tensor, value: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,

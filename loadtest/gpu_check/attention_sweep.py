@@ -23,7 +23,10 @@ APPLY_GAIN = 1.1
 GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 # beside the grid: a sequence's keys (~190 on average at the throughput shape) in one or two tiles, all their
 # loads in flight at once, and fewer warps per program (more programs resident per SM)
-EXTRA = [(256, 8, 2), (256, 8, 3), (256, 4, 2), (64, 2, 3), (128, 2, 3)]
+EXTRA = [(256, 8, 2), (256, 8, 3), (256, 4, 2), (64, 2, 3), (128, 2, 3),
+         # each sequence's keys split between 2 or 4 programs, combined by a second kernel
+         (32, 4, 3, 2), (64, 4, 3, 2), (32, 4, 3, 4), (64, 4, 2, 4)]
+EXTRA_DRY = [(16, 4, 3, 2)]
 GRID_DRY = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
 
 
@@ -90,8 +93,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     reference = launch(default).float()
     grid = GRID_DRY if plan.dry_run else GRID
     configs = [ta.LaunchConfig(*values) for values in itertools.product(*grid.values())]
-    if not plan.dry_run:
-        configs += [ta.LaunchConfig(*values) for values in EXTRA]
+    configs += [ta.LaunchConfig(*values) for values in (EXTRA_DRY if plan.dry_run else EXTRA)]
     if default not in configs:
         configs.insert(0, default)
     rows = []

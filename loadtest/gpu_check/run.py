@@ -168,7 +168,8 @@ def summary(report: dict) -> str:
     sw = report["checks"].get("attention_sweep", {})
     for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
         c = row["config"]
-        lines.append(f"  decode attention block_n {c['block_n']} warps {c['num_warps']} stages {c['num_stages']}: "
+        lines.append(f"  decode attention block_n {c['block_n']} warps {c['num_warps']} stages {c['num_stages']} "
+                     f"splits {c['num_splits']}: "
                      f"{row['us']:.1f} us, {row['kv_gb_s']:.0f} GB/s ({row['of_copy_bandwidth']:.0%} of copy)")
     if sw.get("applied"):
         lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")

@@ -83,6 +83,25 @@ def test_launch_configs_give_the_same_attention(config):
         torch.testing.assert_close(other, default, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [LaunchConfig(16, 4, 2, num_splits=2), LaunchConfig(32, 4, 3, num_splits=3),
+                                    LaunchConfig(16, 2, 1, num_splits=8)])
+def test_decode_steps_split_between_programs_match_dense(dtype, config):
+    """A decode step's keys split between `num_splits` programs per sequence and KV head, combined by a second
+    kernel: dense attention's result, with splits that get no key (a context shorter than the splits' tiles)
+    and shares that end mid-block; a mixed batch ignores the splits."""
+    for batch in ([(1, 40), (1, 129), (1, 7), (1, 1), (1, 100)], BATCH):
+        query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, 16, 9, 3, 64, dtype, seed=4)
+        out = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125, config)
+        expected, start = [], 0
+        for k, v, (q_len, ctx) in zip(keys, values, batch):
+            expected.append(dense_reference(query[start:start + q_len].cpu(), k, v, q_len, ctx))  # scale 64 ** -0.5
+            start += q_len
+        torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="num_splits"):
+        LaunchConfig(num_splits=0)
+
+
 def test_decode_steps_take_the_decode_config(monkeypatch):
     """A step of one token per sequence launches with `DECODE_CONFIG`, any other with `CHUNK_CONFIG`; float32
     with the default."""
