@@ -18,6 +18,9 @@ import json
 import sys
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# the most shared memory one block may take (bytes; CUDA's opt-in maximum): a kernel compiled past it raises
+# OutOfResources at its first launch, which compiling alone does not show
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 SHAPES = [(1, 64), (3, 64), (2, 32), (4, 128), (8, 128), (1, 128)]  # (query heads per KV head, head_dim)
 STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
 NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
@@ -55,13 +58,22 @@ def compile_all(arch: int) -> dict:
     target = GPUTarget("cuda", arch, 32)
     compiled, failed = 0, []
 
+    shared_limit = SHARED_MEMORY_LIMIT.get(arch)
+    most_shared = 0
+
     def build(fn, sig, consts, label, options=None):
-        nonlocal compiled
+        nonlocal compiled, most_shared
         try:
-            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=options)
-            compiled += 1
+            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=options)
         except Exception as e:  # report every failure, not just the first
             failed.append(f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+            return
+        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+        most_shared = max(most_shared, shared)
+        if shared_limit is not None and shared > shared_limit:  # the launch would raise OutOfResources
+            failed.append(f"{label}: needs {shared} B of shared memory, the GPU has {shared_limit}")
+            return
+        compiled += 1
 
     for short in DTYPES:
         ptr = f"*{short}"
@@ -139,7 +151,8 @@ def compile_all(arch: int) -> dict:
             build(_norm_qkv_rope_store_kernel, sig, cx,
                   f"norm_qkv_rope_store {short} block_m={block_m} residual={has_res} bias={has_bias} "
                   f"head_dim={head_dim} {config}", {"num_warps": config.num_warps, "num_stages": config.num_stages})
-    return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed}
+    return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed,
+            "most_shared_memory": most_shared, "shared_memory_limit": shared_limit}
 
 
 def main(argv: list[str] | None = None) -> int:
