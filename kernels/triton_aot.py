@@ -87,7 +87,7 @@ def compile_all(arch: int) -> dict:
             for splits in (config.num_splits, 4) if one_query and short != "fp32" else (config.num_splits,):
                 consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
                               BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-                              ONE_QUERY=one_query, NUM_SPLITS=splits if one_query else 1)
+                              ONE_QUERY=one_query, SPLIT=one_query and splits > 1)
                 ptrs = dict(pointers, part_acc="*fp32" if splits > 1 else ptr, part_ml="*fp32" if splits > 1 else ptr)
                 sig, cx = _signature(_paged_attention_kernel, ptrs, {"scale"}, consts)
                 build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim} "
@@ -95,7 +95,7 @@ def compile_all(arch: int) -> dict:
                       {"num_warps": config.num_warps, "num_stages": config.num_stages})
         for head_dim in (64, 128):
             sig, cx = _signature(_combine_splits_kernel, {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": ptr},
-                                 set(), dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim, NUM_SPLITS=4, SPLITS_P=4))
+                                 set(), dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim, SPLITS_P=16))
             build(_combine_splits_kernel, sig, cx, f"combine_splits {short} head_dim={head_dim}",
                   {"num_warps": 1 if head_dim <= 64 else 2})
         for row in STORE_ROWS:

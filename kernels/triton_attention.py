@@ -49,14 +49,14 @@ def _find_seq(query_start_loc, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, num_seqs, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, block_size, part_acc, part_ml, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+    stride_bt, block_size, part_acc, part_ml, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, num_splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr, NUM_SPLITS: tl.constexpr = 1,
+    ONE_QUERY: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
-    """Tile `pid(0)` (with ONE_QUERY: sequence `pid(0)`), KV head `pid(1)`. With NUM_SPLITS > 1 (ONE_QUERY
-    only) program `pid(2)` takes that share of the sequence's keys and writes its unnormalised output, running
-    max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`."""
+    """Tile `pid(0)` (with ONE_QUERY: sequence `pid(0)`), KV head `pid(1)`. With SPLIT (ONE_QUERY only)
+    program `pid(2)` takes its share of the sequence's keys (one of `num_splits`) and writes its unnormalised
+    output, running max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if ONE_QUERY:  # a decode step: one query token per sequence, one tile per sequence, no search
@@ -92,8 +92,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_P, HEAD_DIM_P], tl.float32)
     last = tl.minimum(seq_len, context + q_start + BLOCK_Q)  # keys past the tile's last query are masked
     first = 0
-    if NUM_SPLITS > 1:  # this program's share of the keys, whole tiles
-        share = tl.cdiv(tl.cdiv(last, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's share of the keys, whole tiles
+        share = tl.cdiv(tl.cdiv(last, num_splits), BLOCK_N) * BLOCK_N
         first = tl.program_id(2) * share
         last = tl.minimum(last, first + share)
     for start in range(first, last, BLOCK_N):
@@ -119,7 +119,7 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m_i = m_new
-    if NUM_SPLITS > 1:
+    if SPLIT:
         split = tl.program_id(2)
         p_offs = (q_begin + q_idx)[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + dims[None, :]
         tl.store(part_acc + p_offs, acc, mask=row_ok[:, None] & dim_ok[None, :])
@@ -134,14 +134,14 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                           stride_ot, stride_oh, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+                           stride_ot, stride_oh, num_splits, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+                           SPLITS_P: tl.constexpr):
     """Token `pid(0)`, query head `pid(1)`: its splits' outputs, each rescaled from its own running max to the
     largest, summed and divided by the rescaled sums (a split that saw no key has max -inf and weighs 0)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P)
-    sp_ok = sp < NUM_SPLITS
+    sp_ok = sp < num_splits
     ml = part_ml + t * stride_mt + h * stride_mh + sp * 2
     m = tl.load(ml, mask=sp_ok, other=float("-inf"))
     l = tl.load(ml + 1, mask=sp_ok, other=0.0)
@@ -279,7 +279,8 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 3
     # decode steps only: each sequence's keys split between this many programs, whose outputs a second kernel
-    # combines (more programs in flight per SM where a batch has few sequences for the GPU's SMs)
+    # combines (more programs in flight per SM where a batch has few sequences for the GPU's SMs); 0: as many
+    # as bring the step's programs to about `SPLIT_TARGET_WAVES` per SM (`decode_splits`)
     num_splits: int = 1
 
     def __post_init__(self) -> None:
@@ -287,8 +288,9 @@ class LaunchConfig:
             value = getattr(self, name)
             if value < 16 and name == "block_n" or value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two (block_n at least 16), got {value}")
-        if self.num_stages < 1 or self.num_splits < 1:
-            raise ValueError(f"num_stages and num_splits must be positive, got {self.num_stages}, {self.num_splits}")
+        if self.num_stages < 1 or self.num_splits < 0:
+            raise ValueError(f"num_stages must be positive and num_splits not negative, got {self.num_stages}, "
+                             f"{self.num_splits}")
 
 
 # Read at every launch (the GPU check's `attention_sweep` times others and may set the fastest for its run):
@@ -303,6 +305,30 @@ def launch_config(dtype: torch.dtype, one_query: bool) -> LaunchConfig:
     if dtype == torch.float32:
         return LaunchConfig()
     return DECODE_CONFIG if one_query else CHUNK_CONFIG
+
+
+# `num_splits=0`: programs per SM a decode step aims for, and the most splits of one sequence
+SPLIT_TARGET_WAVES, MAX_SPLITS = 2, 16
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """The GPU's multiprocessors (8 for a CPU under the interpreter, so tests split as a small GPU would)."""
+    if device.type != "cuda":
+        return 8
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def decode_splits(config: LaunchConfig, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many programs share each sequence's keys in a decode step: `config.num_splits`, or for 0 enough to
+    give the GPU's SMs `SPLIT_TARGET_WAVES` programs each (at most `MAX_SPLITS`; 1 once the batch alone does:
+    at batch 256 of 3 KV heads there are 768 programs for an H200's 132 SMs)."""
+    if config.num_splits:
+        return config.num_splits
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(MAX_SPLITS, SPLIT_TARGET_WAVES * sm_count(device) // programs))
 
 
 def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
@@ -338,7 +364,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_q, group_p, head_dim_p = tile_shape(group, head_dim)
     grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)
     one_query = num_tokens == num_seqs
-    splits = config.num_splits if one_query and num_tokens else 1
+    splits = decode_splits(config, num_seqs, num_kv_heads, query.device) if one_query and num_tokens else 1
     upcast = interpreting() or query.dtype == torch.float32  # float32 dots in full precision, not TF32
     if splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=query.device)
@@ -350,15 +376,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits),
+        block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits), splits,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-        ONE_QUERY=one_query, NUM_SPLITS=splits, num_warps=config.num_warps, num_stages=config.num_stages,
+        ONE_QUERY=one_query, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_ml, out, *_split_strides(part_acc, part_ml, splits), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits),
+            part_acc, part_ml, out, *_split_strides(part_acc, part_ml, splits), out.stride(0), out.stride(1), splits,
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(4, triton.next_power_of_2(splits)),
             num_warps=1 if head_dim_p <= 64 else 2)
     return out
 

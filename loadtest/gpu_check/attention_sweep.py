@@ -7,7 +7,9 @@ kernel over the same shape (256 sequences of 128-256 tokens, 9 query / 3 KV head
 scattered over the cache) for each `LaunchConfig` of a small grid, checks each one's output against the
 default's, and reports the K/V bytes read per second against the copy bandwidth. The fastest, if it beats the
 default by `APPLY_GAIN`, is set as `DECODE_CONFIG` for the sections after it, so that the throughput section
-measures the engine with it (the JSON says which config each measured)."""
+measures the engine with it (the JSON says which config each measured). Then one sequence's step (a single
+stream) is timed with that config and with automatic splits (`num_splits=0`, which leave a full batch as it
+is), and the splits are kept if they are that much faster."""
 
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ EXTRA_DRY = [(16, 4, 3, 2)]
 GRID_DRY = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
 
 
-def _inputs(plan: Plan, device: torch.device, seed: int = 0) -> dict:
-    """A decode batch over a cache whose blocks are handed out in a shuffled order, as a busy pool does."""
+def _inputs(plan: Plan, device: torch.device, seed: int = 0, batch: int | None = None) -> dict:
+    """A decode batch (`plan.batch` sequences unless given) over a cache whose blocks are handed out in a
+    shuffled order, as a busy pool does."""
     heads, kv_heads, head_dim = (9, 3, 64) if not plan.dry_run else (4, 2, 32)
-    batch = plan.batch
+    batch = plan.batch if batch is None else batch
     low, high = plan.prompt_len, plan.prompt_len + plan.output_len
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(low, high + 1, (batch,), generator=gen)
@@ -85,7 +88,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     scale = x["query"].shape[-1] ** -0.5
     default = ta.DECODE_CONFIG
 
-    def launch(config: ta.LaunchConfig) -> torch.Tensor:
+    def launch(config: ta.LaunchConfig, x: dict = x) -> torch.Tensor:
         out = torch.empty_like(x["query"])
         return ta.paged_attention(x["query"], x["k_cache"], x["v_cache"], out, x["block_tables"], x["seq_lens"],
                                   x["query_start_loc"], scale, config)
@@ -114,7 +117,36 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     if best is not None and base.get("us") and best["us"] * APPLY_GAIN <= base["us"] and not plan.dry_run:
         applied = best["config"]
         ta.DECODE_CONFIG = ta.LaunchConfig(**applied)
-    return {"passed": base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows),
+    one = _one_sequence(plan, device, launch, ta.DECODE_CONFIG, repeats)
+    return {"passed": base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows) and one["ok"],
             "batch": plan.batch, "context_tokens": x["context_tokens"], "kv_bytes": x["kv_bytes"],
             "copy_bandwidth_gb_s": bandwidth / 1e9,
-            "default": dataclasses.asdict(default), "best": best, "applied": applied, "configs": rows}
+            "default": dataclasses.asdict(default), "best": best, "applied": applied, "configs": rows,
+            "one_sequence": one}
+
+
+def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int) -> dict:
+    """One sequence's decode step (a single stream: 3 programs for the GPU's SMs) under `config` and under
+    it with automatic splits (`num_splits=0`), which leave a full batch as it is. If those are `APPLY_GAIN`
+    faster and give the same output, they are set for the sections after (the throughput section's single
+    stream); a config that already splits is left as it is."""
+    from kernels import triton_attention as ta
+
+    x = _inputs(plan, device, seed=1, batch=1)
+    auto = dataclasses.replace(config, num_splits=0)
+    result: dict = {"context_tokens": x["context_tokens"], "config": dataclasses.asdict(config), "applied": False,
+                    "ok": True}
+    if config.num_splits != 1:
+        return result | {"skipped": "the config splits already"}
+    try:
+        diff = (launch(auto, x).float() - launch(config, x).float()).abs().max().item()
+        plain_s = _time(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
+        auto_s = _time(lambda: launch(auto, x), device, repeats if not plan.dry_run else 1)
+    except Exception as e:
+        return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[2], device), "us": plain_s * 1e6,
+               "auto_splits_us": auto_s * 1e6, "max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"]}
+    if result["ok"] and auto_s * APPLY_GAIN <= plain_s and not plan.dry_run:
+        ta.DECODE_CONFIG = auto
+        result["applied"] = True
+    return result

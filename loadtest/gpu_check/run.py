@@ -173,6 +173,10 @@ def summary(report: dict) -> str:
                      f"{row['us']:.1f} us, {row['kv_gb_s']:.0f} GB/s ({row['of_copy_bandwidth']:.0%} of copy)")
     if sw.get("applied"):
         lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")
+    one = sw.get("one_sequence", {})
+    if one.get("auto_splits_us"):
+        lines.append(f"  one sequence: {one['us']:.1f} us, split {one['splits']} ways {one['auto_splits_us']:.1f} us"
+                     f"{' (applied)' if one['applied'] else ''}")
     ls = report["checks"].get("linear_sweep", {})
     for rows, data in ls.get("rows", {}).items():
         fastest = sorted((r for r in data["configs"] if r.get("us")), key=lambda r: r["us"])[:3]

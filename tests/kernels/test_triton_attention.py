@@ -99,7 +99,27 @@ def test_decode_steps_split_between_programs_match_dense(dtype, config):
             start += q_len
         torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     with pytest.raises(ValueError, match="num_splits"):
-        LaunchConfig(num_splits=0)
+        LaunchConfig(num_splits=-1)
+
+
+def test_automatic_splits_fill_the_gpu_and_match_dense():
+    """`num_splits=0`: a decode step of few sequences splits each one's keys until the GPU's SMs have about two
+    programs each (here the interpreter's stand-in of 8 SMs), up to 16; a full batch does not split."""
+    from kernels.triton_attention import decode_splits, sm_count
+
+    auto = LaunchConfig(num_splits=0)
+    sms = sm_count(DEVICE)
+    assert decode_splits(auto, 1, 3, DEVICE) == min(16, 2 * sms // 3)
+    assert decode_splits(auto, 1, 1, DEVICE) == min(16, 2 * sms)
+    assert decode_splits(auto, 256, 3, DEVICE) == 1 and decode_splits(LaunchConfig(num_splits=3), 256, 3, DEVICE) == 3
+    for batch in ([(1, 200)], [(1, 37), (1, 5)]):
+        query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, 16, 9, 3, 64, torch.float32, seed=5)
+        out = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125, auto)
+        expected, start = [], 0
+        for k, v, (q_len, ctx) in zip(keys, values, batch):
+            expected.append(dense_reference(query[start:start + q_len].cpu(), k, v, q_len, ctx))
+            start += q_len
+        torch.testing.assert_close(out.float().cpu(), torch.cat(expected), atol=1e-5, rtol=1e-5)
 
 
 def test_decode_steps_take_the_decode_config(monkeypatch):

@@ -78,6 +78,8 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     sweep = checks["attention_sweep"]
     assert len(sweep["configs"]) >= 2 and all(r["ok"] and r["us"] > 0 for r in sweep["configs"])
     assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
+    one = sweep["one_sequence"]  # one stream, its keys split between programs: the same output
+    assert one["ok"] and one["splits"] > 1 and one["auto_splits_us"] > 0 and not one["applied"]
     linear = checks["linear_sweep"]
     assert set(linear["rows"]) == {"1", "2"} and linear["default"] is not None
     for rows, data in linear["rows"].items():
