@@ -58,8 +58,9 @@ class EngineConfig:
         None, "Queue each decode step on the device behind the one it is running, before that step's tokens are "
               "known (the next step's inputs are its sampled ids, read on the device), so the host's work for a "
               "step overlaps the device's; a request a step ends computes one token more, dropped. Decode steps "
-              "of requests whose sampling needs no token history only; not with speculation nor tensor "
-              "parallelism; default: on for one GPU without speculation.")
+              "of requests whose sampling needs no token history only, without drafts (with speculation: while "
+              "more requests run than speculative_disable_by_batch_size, which it then needs); not with tensor "
+              "parallelism; default: on for one GPU without speculation or with that limit.")
     tensor_parallel_size: int = _opt(1, "Split every layer over this many ranks (Ray actors joined by gloo on the "
                                         "CPU, NCCL on CUDA), one bundle each in the replica's placement group.")
     distributed_timeout_s: float = _opt(300.0, "Tensor parallelism: a step that a rank has not finished within this "
@@ -122,9 +123,10 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} names one GPU, but with tensor_parallel_size "
                              f"{self.tensor_parallel_size} Ray gives each rank its own; use device cuda")
-        if self.async_scheduling and self.num_speculative_tokens:
-            raise ValueError("async_scheduling does not run with speculation: set num_speculative_tokens to 0 or "
-                             "async_scheduling off")
+        if self.async_scheduling and self.num_speculative_tokens and self.speculative_disable_by_batch_size is None:
+            raise ValueError("async_scheduling runs steps ahead only when they have no drafts: with speculation "
+                             "(num_speculative_tokens), set speculative_disable_by_batch_size (steps of more "
+                             "requests then run ahead), or num_speculative_tokens to 0, or async_scheduling off")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not run with tensor_parallel_size > 1")
         if self.num_threads is None:

@@ -131,10 +131,12 @@ class Engine:
         self.overlap_outputs = (isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
                                 and not config.disable_async_output_proc)
         self._pending: _PendingOutputs | None = None
-        # On one GPU without speculation, each decode step is queued behind the one the device runs (`step`).
+        # On one GPU, each decode step without drafts is queued behind the one the device runs (`step`): without
+        # speculation, or with it off for batches above `speculative_disable_by_batch_size`.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None else
                                  isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
-                                 and not config.num_speculative_tokens)
+                                 and (not config.num_speculative_tokens
+                                      or config.speculative_disable_by_batch_size is not None))
         self._inflight: InFlight | None = None
         self._ahead = RunAhead(self.scheduler, self.runner, self.structured)
 
@@ -275,7 +277,7 @@ class Engine:
         true until they are out; a stop string found then finishes its request, whose token from the step
         in flight is dropped, as if it had not been scheduled.
 
-        With `async_scheduling` (one GPU without speculation) a decode step goes further: before the host
+        With `async_scheduling` (one GPU; steps without drafts) a decode step goes further: before the host
         waits for it, the next decode step of the same requests is queued behind it on the device, its input
         ids read there from this step's sampled ids (`workers/run_ahead.py`), so that the host applies this step and
         makes its outputs while the device runs the next. The next `step()` call collects that step (and

@@ -126,8 +126,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
 
-        limit = self.config.speculative_disable_by_batch_size
-        speculate = self.config.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
+        speculate = self.speculates()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -166,9 +165,16 @@ class Scheduler:
                 out.num_new_tokens.append(n)
         return out
 
+    def speculates(self) -> bool:
+        """Whether `schedule` may give requests drafts now: speculation on, and no more requests running than
+        `speculative_disable_by_batch_size`."""
+        limit = self.config.speculative_disable_by_batch_size
+        return self.config.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
+
     def may_run_ahead(self) -> bool:
-        """Whether steps may be scheduled ahead (`schedule_ahead`): no request waits to be admitted."""
-        return not len(self.waiting) and not self.pending_forks
+        """Whether steps may be scheduled ahead (`schedule_ahead`): no request waits to be admitted, and
+        `schedule` would give none drafts (`speculates`), so a step ahead is the step it would schedule."""
+        return not len(self.waiting) and not self.pending_forks and not self.speculates()
 
     def schedule_ahead(self, current: SchedulerOutput) -> tuple[SchedulerOutput, list[int]] | None:
         """The decode step after `current`, a decode-only step still on the device whose tokens are not known

@@ -211,11 +211,34 @@ def test_with_prefix_caching(tiny_model_dir):
     assert engine.kv_cache.prefix_cache_hits > 0
 
 
+def test_with_speculation_steps_run_ahead_above_the_batch_limit(tiny_model_dir):
+    """With speculation and `speculative_disable_by_batch_size`, steps of more requests than the limit run ahead
+    (no drafts there); once few enough run, the scheduler drafts again, in turn: the same outputs as without
+    async scheduling, drafts made both ways. (A step already queued ahead when requests end runs without
+    drafts, so the drafts, and the tokens computed for them, may fall on other steps.)"""
+    engine = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
+                    max_num_batched_tokens=64, num_speculative_tokens=3, speculative_disable_by_batch_size=3,
+                    enable_prefix_caching=False)
+    # two short requests, then three, on two of which the random model repeats itself (lookups find drafts)
+    reqs = [(PROMPTS[0], _greedy(2)), (PROMPTS[1], _greedy(3)), ([42] * 17, _greedy(30)), ([5, 6] * 9, _greedy(30)),
+            (PROMPTS[3], _greedy(20))]
+    drafts = []
+    for ahead in (False, True):
+        before = engine.get_stats().spec_num_drafts
+        got = _run(engine, ahead, reqs)
+        drafts.append(engine.get_stats().spec_num_drafts - before)
+        if not ahead:
+            plain = got
+    assert all(drafts) and got["ahead"] > 0 and plain["ahead"] == 0
+    assert {k: v for k, v in got.items() if k.startswith("q")} == {k: v for k, v in plain.items() if k.startswith("q")}
+
+
 def test_async_scheduling_option(tiny_model_dir):
     from workers.config import EngineConfig
 
-    with pytest.raises(ValueError, match="speculation"):
-        EngineConfig(async_scheduling=True)  # num_speculative_tokens defaults to 4
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        EngineConfig(async_scheduling=True)  # num_speculative_tokens defaults to 4, with no batch limit
+    assert EngineConfig(async_scheduling=True, speculative_disable_by_batch_size=8).async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(async_scheduling=True, num_speculative_tokens=0, tensor_parallel_size=2)
     e = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
