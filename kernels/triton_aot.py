@@ -7,7 +7,7 @@ shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) 
 attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, for
 the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel, and
 for the fused norm-and-matmul (`kernels.triton_linear`, and with the rotary and K/V store in
-`kernels.triton_attention`) each kind of projection at each tile height."""
+`kernels.triton_kv_write`) each kind of projection at each tile height."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def compile_all(arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import (_combine_splits_kernel, _norm_qkv_rope_store_kernel, _paged_attention_kernel,
-                                          _rope_store_kv_kernel, _store_kv_kernel, launch_config, tile_shape)
+    from kernels.triton_attention import _combine_splits_kernel, _paged_attention_kernel, launch_config, tile_shape
+    from kernels.triton_kv_write import _norm_qkv_rope_store_kernel, _rope_store_kv_kernel, _store_kv_kernel
     from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
     from kernels.triton_linear import NORM_LINEAR_CONFIG, LinearConfig, _norm_linear_kernel
 

@@ -1,5 +1,5 @@
-"""Paged attention in Triton: one kernel for decodes and prefill chunks alike, plus the K/V store (alone, or
-with the rotary embedding of the step's queries and keys before it: one launch a layer fewer).
+"""Paged attention in Triton: one kernel for decodes and prefill chunks alike, and the backend that also
+writes each step's keys and values (`kernels/triton_kv_write.py`).
 
 The attention grid is fixed by the batch's token and sequence counts, not by its contents: program `(i, h)`
 finds its sequence inside the kernel (a binary search over the query start offsets), so the same launch
@@ -8,8 +8,7 @@ sequence, known from the shapes) launches one program per sequence and KV head, 
 `BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h` (grouped-query heads are
 folded into the tile's rows, so each key is loaded once per group), walks the sequence's keys through its
 block table `BLOCK_N` positions at a time with an online softmax in float32, and stops at the tile's last
-causal position. The store kernels write each new token's K/V into its slot and skip negative slots
-(padding rows of a captured graph). How the attention kernel is launched (keys per tile, warps, stages) is a
+causal position. How the attention kernel is launched (keys per tile, warps, stages) is a
 `LaunchConfig`, one for decode-only steps and one for the rest.
 
 Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels run in Triton's interpreter, whose bfloat16 `tl.dot`
@@ -25,8 +24,8 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
-from kernels.triton_layer_ops import rotate_in_place
-from kernels.triton_linear import interpreting, normed_tile, row_scale
+from kernels.triton_kv_write import fusable_head_dim, norm_qkv_rope_store, rope_store_kv, store_kv
+from kernels.triton_linear import dot_mode, interpreting
 
 
 @triton.jit
@@ -156,119 +155,6 @@ def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, str
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, o.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
-@triton.jit
-def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, block_size,
-                     stride_kb, stride_ks, stride_vb, stride_vs, ROW: tl.constexpr, ROW_P: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping + t).to(tl.int64)
-    if slot < 0:
-        return
-    cols = tl.arange(0, ROW_P)
-    ok = cols < ROW
-    block, offset = slot // block_size, slot % block_size
-    k = tl.load(key + t * stride_kt + cols, mask=ok)
-    v = tl.load(value + t * stride_vt + cols, mask=ok)
-    tl.store(k_cache + block * stride_kb + offset * stride_ks + cols, k, mask=ok)
-    tl.store(v_cache + block * stride_vb + offset * stride_vs + cols, v, mask=ok)
-
-
-@triton.jit
-def _rope_store_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_mapping, k_cache, v_cache,
-                          stride_qt, stride_qh, stride_vt, stride_vh_in, stride_table, num_heads, num_kv_heads,
-                          block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                          HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr, KV_P: tl.constexpr,
-                          DIM_P: tl.constexpr):
-    """Token `pid`: its query and key heads rotated in place (`triton_layer_ops.rotate_in_place`), then its
-    rotated keys and its values stored into its slot, unless the slot is negative."""
-    t = tl.program_id(0).to(tl.int64)
-    o1, o2, heads, cols, col_ok = rotate_in_place(qk_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh,
-                                                  stride_table, num_heads + num_kv_heads, HALF, HEADS_P, HALF_P)
-    slot = tl.load(slot_mapping + t).to(tl.int64)
-    if slot >= 0:
-        block, offset = slot // block_size, slot % block_size
-        is_key = (heads >= num_heads) & (heads < num_heads + num_kv_heads)
-        kv_head = tl.where(is_key, heads - num_heads, 0)
-        key_ok = is_key[:, None] & col_ok[None, :]
-        dst = k_cache + block * stride_kb + offset * stride_ks + kv_head[:, None] * stride_kh + cols[None, :]
-        tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=key_ok)
-        tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=key_ok)
-        vh = tl.arange(0, KV_P)
-        vc = tl.arange(0, DIM_P)
-        v_ok = (vh[:, None] < num_kv_heads) & (vc[None, :] < 2 * HALF)
-        v = tl.load(v_ptr + t * stride_vt + vh[:, None] * stride_vh_in + vc[None, :], mask=v_ok)
-        tl.store(v_cache + block * stride_vb + offset * stride_vs + vh[:, None] * stride_vh + vc[None, :],
-                 v.to(v_cache.dtype.element_ty), mask=v_ok)
-
-
-@triton.jit
-def _norm_qkv_rope_store_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, q_ptr, cos_ptr, sin_ptr, pos_ptr,
-                                slot_mapping, k_cache, v_cache, M, K, num_heads, num_kv_heads, stride_x, stride_res,
-                                stride_sum, stride_w, stride_qt, stride_qh, stride_table, block_size, stride_kb,
-                                stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, eps,
-                                HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):
-    """Rows `pid(0)`, head `pid(1)` (queries, then keys, then values) of a layer's input: the residual add and
-    RMSNorm (`triton_linear.row_scale`, `normed_tile`), the head's two halves of the qkv projection, rounded to
-    the dtype; queries and keys rotated as `rotate_in_place` rotates; queries written to `q_ptr`, keys and
-    values stored into their slots (negative slots skipped). The head-0 programs write `x + res`."""
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    dt = x_ptr.dtype.element_ty
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < M
-    r = row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, head == 0,
-                  HAS_RES, BLOCK_M, BLOCK_K)
-    cols = tl.arange(0, HALF)
-    first = (head * 2 * HALF + cols).to(tl.int64)  # the head's weight rows, first half
-    acc1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        h = normed_tile(x_ptr, res_ptr, nw_ptr, rows, row_ok, ks, k_ok, r, stride_x, stride_res, HAS_RES)
-        w1 = tl.load(w_ptr + first[None, :] * stride_w + ks[:, None], mask=k_ok[:, None], other=0.0)
-        w2 = tl.load(w_ptr + (first[None, :] + HALF) * stride_w + ks[:, None], mask=k_ok[:, None], other=0.0)
-        if UPCAST:
-            h = h.to(tl.float32)
-            w1 = w1.to(tl.float32)
-            w2 = w2.to(tl.float32)
-        acc1 = tl.dot(h, w1, acc1, input_precision=DOT_PRECISION)
-        acc2 = tl.dot(h, w2, acc2, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc1 += tl.load(b_ptr + first).to(tl.float32)[None, :]
-        acc2 += tl.load(b_ptr + first + HALF).to(tl.float32)[None, :]
-    x1 = acc1.to(dt).to(tl.float32)
-    x2 = acc2.to(dt).to(tl.float32)
-    if head < num_heads + num_kv_heads:  # a query or key head: rotated
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        table = pos[:, None] * stride_table + cols[None, :]
-        cos = tl.load(cos_ptr + table, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
-    else:
-        o1 = x1.to(dt)
-        o2 = x2.to(dt)
-    if head < num_heads:
-        dst = q_ptr + rows[:, None] * stride_qt + head * stride_qh + cols[None, :]
-        tl.store(dst, o1, mask=row_ok[:, None])
-        tl.store(dst + HALF, o2, mask=row_ok[:, None])
-    else:
-        slot = tl.load(slot_mapping + rows, mask=row_ok, other=-1).to(tl.int64)
-        ok = (slot >= 0)[:, None]
-        block = tl.where(slot >= 0, slot, 0) // block_size
-        offset = tl.where(slot >= 0, slot, 0) % block_size
-        if head < num_heads + num_kv_heads:
-            dst = k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks \
-                + (head - num_heads) * stride_kh + cols[None, :]
-        else:
-            dst = v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs \
-                + (head - num_heads - num_kv_heads) * stride_vh + cols[None, :]
-        tl.store(dst, o1.to(k_cache.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, o2.to(k_cache.dtype.element_ty), mask=ok)
-
-
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
@@ -365,7 +251,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = attention_grid(num_tokens, num_seqs, num_kv_heads, block_q)
     one_query = num_tokens == num_seqs
     splits = decode_splits(config, num_seqs, num_kv_heads, query.device) if one_query and num_tokens else 1
-    upcast = interpreting() or query.dtype == torch.float32  # float32 dots in full precision, not TF32
+    upcast, precision = dot_mode(query.dtype)
     if splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=query.device)
@@ -378,7 +264,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits), splits,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
-        BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
+        BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION=precision,
         ONE_QUERY=one_query, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
@@ -395,83 +281,6 @@ def _split_strides(part_acc: torch.Tensor, part_ml: torch.Tensor, splits: int) -
     if splits == 1:
         return (0,) * 5
     return (part_acc.stride(0), part_acc.stride(1), part_acc.stride(2), part_ml.stride(0), part_ml.stride(1))
-
-
-def rope_store_kv(qk: torch.Tensor, value: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
-                  positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Rotate `qk` ([tokens, heads + kv_heads, head_dim], the keys last) in place and store its keys and
-    `value` ([tokens, kv_heads, head_dim]) into their slots, negative slots skipped: `rope_` then `store_kv`
-    in one kernel."""
-    tokens, all_heads, dim = qk.shape
-    num_kv_heads = value.shape[1]
-    if qk.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 \
-            or cos_table.stride(-1) != 1 or sin_table.stride(-1) != 1 or sin_table.stride(0) != cos_table.stride(0):
-        raise ValueError("rope_store_kv needs unit stride along head_dim, and tables of one layout")
-    if positions.dim() != 1 or positions.stride(0) != 1:
-        raise ValueError("rope_store_kv needs contiguous positions, one per token")
-    if tokens:
-        _rope_store_kv_kernel[(tokens,)](
-            qk, value, cos_table, sin_table, positions, slot_mapping, k_cache, v_cache,
-            qk.stride(0), qk.stride(1), value.stride(0), value.stride(1), cos_table.stride(0),
-            all_heads - num_kv_heads, num_kv_heads, k_cache.shape[1],
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), HALF=dim // 2, HEADS_P=triton.next_power_of_2(all_heads),
-            HALF_P=triton.next_power_of_2(dim // 2), KV_P=triton.next_power_of_2(num_kv_heads),
-            DIM_P=triton.next_power_of_2(dim))
-
-
-def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, num_kv_heads: int,
-                        cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        config: triton_linear.LinearConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's input in one kernel: (`x + residual` in a new tensor, or `x` without a residual; the queries,
-    [rows, num_heads, head_dim]); the keys and values stored into their slots, negative slots skipped. As
-    `norm_linear` then `rope_store_kv`, the same roundings. `config`: `NORM_LINEAR_CONFIG`, else the default
-    (its `block_k` and tile height; a program computes one head)."""
-    config = config or triton_linear.NORM_LINEAR_CONFIG or triton_linear.LinearConfig()
-    m, k = x.shape
-    head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
-    if (x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))
-            or weight.shape != ((num_heads + 2 * num_kv_heads) * head_dim, k) or weight.stride(1) != 1
-            or head_dim % 2 or head_dim // 2 < 16 or head_dim & (head_dim - 1)):
-        raise ValueError("norm_qkv_rope_store needs [rows, hidden] inputs with unit stride, a [(heads + 2 * kv_heads)"
-                         " * head_dim, hidden] weight, and a power-of-two head_dim of at least 32")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or cos_table.stride(-1) != 1 \
-            or sin_table.stride(0) != cos_table.stride(0) or positions.stride(0) != 1 or slot_mapping.stride(0) != 1:
-        raise ValueError("norm_qkv_rope_store needs unit stride along head_dim and contiguous positions and slots")
-    q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    total = x if residual is None else torch.empty_like(x)
-    if m:
-        block_m = config.rows_per_program(m)
-        upcast = interpreting() or x.dtype == torch.float32
-        res = x if residual is None else residual
-        grid = (triton.cdiv(m, block_m), num_heads + 2 * num_kv_heads)
-        _norm_qkv_rope_store_kernel[grid](
-            x, res, total, norm_weight, weight, weight if bias is None else bias, q, cos_table, sin_table, positions,
-            slot_mapping, k_cache, v_cache, m, k, num_heads, num_kv_heads, x.stride(0), res.stride(0), total.stride(0),
-            weight.stride(0), q.stride(0), q.stride(1), cos_table.stride(0), k_cache.shape[1],
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=head_dim // 2,
-            BLOCK_M=block_m, BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
-    return total, q
-
-
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write `key`/`value` ([tokens, kv_heads, head_dim]) into their flat slots; negative slots are skipped."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    for t in (key, value, k_cache, v_cache):
-        if t.stride(-1) != 1 or t.stride(-2) != head_dim:
-            raise ValueError("store_kv needs each token's [kv_heads, head_dim] contiguous")
-    row = num_kv_heads * head_dim
-    _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), k_cache.shape[1],
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        ROW=row, ROW_P=triton.next_power_of_2(row))
 
 
 @dataclass(slots=True)
@@ -521,7 +330,7 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
         config = triton_linear.NORM_LINEAR_CONFIG
         head_dim = weight.shape[0] // (num_heads + 2 * num_kv_heads)
         if (ops.name == "triton" and triton_linear.fused_rows_ok(x, residual, weight, config)
-                and head_dim >= 32 and not head_dim & (head_dim - 1) and meta.slot_mapping.shape[0] == x.shape[0]):
+                and fusable_head_dim(head_dim) and meta.slot_mapping.shape[0] == x.shape[0]):
             return norm_qkv_rope_store(x, residual, norm_weight, eps, weight, bias, num_heads, num_kv_heads, *rope,
                                        k_cache, v_cache, meta.slot_mapping, config)
         return super().project_qkv(x, residual, norm_weight, eps, weight, bias, num_heads, num_kv_heads, rope, ops,

@@ -42,6 +42,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin, dt: tl.constexpr):
+    """`x1*cos - x2*sin` and `x2*cos + x1*sin` (float32 halves and tables), each product and the sum or
+    difference rounded to `dt` as torch's ops round; returned in `dt`."""
+    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
 def rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
                     HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
     """Token `pid`, its first `num_heads` heads: `x1*cos - x2*sin` and `x2*cos + x1*sin` on the halves, each
@@ -59,8 +68,7 @@ def rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stri
     first = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
-    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = rotate_halves(x1, x2, cos, sin, dt)
     tl.store(first, o1, mask=ok)
     tl.store(first + HALF, o2, mask=ok)
     return o1, o2, heads, cols, col_ok

@@ -31,6 +31,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, DOT_PRECISION) for a kernel's `tl.dot` over `dtype`: float32 dots in full precision, not TF32;
+    under the interpreter every dot in float32 (its bfloat16 `tl.dot` is wrong)."""
+    upcast = interpreting() or dtype == torch.float32
+    return upcast, "ieee" if upcast else "tf32"
+
+
 @triton.jit
 def row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, write_sum,
               HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -154,6 +161,11 @@ class LinearConfig:
 NORM_LINEAR_CONFIG: LinearConfig | None = LinearConfig()
 
 
+def resolve_config(config: LinearConfig | None) -> LinearConfig:
+    """`config`, else `NORM_LINEAR_CONFIG`, else the default: what a direct call of the fused kernels launches with."""
+    return config or NORM_LINEAR_CONFIG or LinearConfig()
+
+
 def fused_rows_ok(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   config: LinearConfig | None) -> bool:
     """Whether `TritonLayerOps` runs `norm_linear` on a step of `x`'s rows under `config`: some rows, at most
@@ -174,7 +186,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: LinearConfig | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` ([rows, in] with unit stride along `in`) in the fused kernels' matmul, float32 sums
     rounded once. `config`: `NORM_LINEAR_CONFIG`, else the default."""
-    config = config or NORM_LINEAR_CONFIG or LinearConfig()
+    config = resolve_config(config)
     if x.dim() != 2 or x.stride(1) != 1 or weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"linear needs [rows, in] inputs and an [out, in] weight with unit stride along in, got "
                          f"{tuple(x.shape)} and {tuple(weight.shape)}")
@@ -183,13 +195,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         block_m = config.rows_per_program(m)
-        upcast = interpreting() or x.dtype == torch.float32
+        upcast, precision = dot_mode(x.dtype)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
         _norm_linear_kernel[grid](
             x, x, x, x, weight, weight if bias is None else bias, out, m, n, k,
             x.stride(0), x.stride(0), x.stride(0), weight.stride(0), out.stride(0), 0.0,
             HAS_RES=False, HAS_BIAS=bias is not None, GATED=False, BLOCK_M=block_m, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", NORM=False,
+            BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION=precision, NORM=False,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
@@ -202,7 +214,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     or with `gated` (`weight` is gate and up stacked, no bias) `silu(h @ gate.T) * (h @ up.T)`, in one kernel.
     `x` and `residual` are [rows, hidden] with unit stride along hidden. `config`: `NORM_LINEAR_CONFIG`, else
     the default."""
-    config = config or NORM_LINEAR_CONFIG or LinearConfig()
+    config = resolve_config(config)
     if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
         raise ValueError("norm_linear needs [rows, hidden] inputs with unit stride along hidden")
     if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
@@ -216,7 +228,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     total = x if residual is None else torch.empty_like(x)
     if m:
         block_m = config.rows_per_program(m)
-        upcast = interpreting() or x.dtype == torch.float32  # float32 dots in full precision, not TF32
+        upcast, precision = dot_mode(x.dtype)
         res = x if residual is None else residual
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
         _norm_linear_kernel[grid](
@@ -224,7 +236,6 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
             x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0), eps,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            UPCAST=upcast, DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return total, out

@@ -35,9 +35,9 @@ class RunAhead:
     def launch(self, sched: SchedulerOutput) -> InFlight | None:
         """`sched` queued on the device without waiting, if it is a decode-only step without drafts that may
         be run ahead of (`may_run_ahead`); None otherwise, or if it could not be queued."""
-        if not all(n == 1 and not r.spec_token_ids and r.num_computed_tokens + 1 == len(r.all_token_ids)
-                   for r, n in zip(sched.requests, sched.num_new_tokens)) \
-                or not self.scheduler.may_run_ahead() or not self.may_run_ahead(sched):
+        if not self.scheduler.may_run_ahead() or not all(
+                n == 1 and not r.spec_token_ids and r.num_computed_tokens + 1 == len(r.all_token_ids)
+                for r, n in zip(sched.requests, sched.num_new_tokens)) or not self.may_run_ahead(sched):
             return None
         try:
             return InFlight(sched, self.runner.launch(sched))

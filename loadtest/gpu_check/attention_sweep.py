@@ -59,7 +59,8 @@ def _inputs(plan: Plan, device: torch.device, seed: int = 0, batch: int | None =
             "kv_bytes": int(lens.sum()) * 2 * kv_heads * head_dim * 2, "context_tokens": int(lens.sum())}
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
+def time_calls(fn, device: torch.device, repeats: int) -> float:
+    """Seconds per call of `fn` after one call to warm up: CUDA events around the calls on a GPU."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -104,7 +105,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         row: dict = {"config": dataclasses.asdict(config)}
         try:
             diff = (launch(config).float() - reference).abs().max().item()
-            seconds = _time(lambda: launch(config), device, repeats if not plan.dry_run else 1)
+            seconds = time_calls(lambda: launch(config), device, repeats if not plan.dry_run else 1)
             row |= {"max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"], "us": seconds * 1e6,
                     "kv_gb_s": x["kv_bytes"] / seconds / 1e9, "of_copy_bandwidth": x["kv_bytes"] / seconds / bandwidth}
         except Exception as e:  # a config that does not compile or launch here
@@ -140,8 +141,8 @@ def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int
         return result | {"skipped": "the config splits already"}
     try:
         diff = (launch(auto, x).float() - launch(config, x).float()).abs().max().item()
-        plain_s = _time(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
-        auto_s = _time(lambda: launch(auto, x), device, repeats if not plan.dry_run else 1)
+        plain_s = time_calls(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
+        auto_s = time_calls(lambda: launch(auto, x), device, repeats if not plan.dry_run else 1)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[2], device), "us": plain_s * 1e6,

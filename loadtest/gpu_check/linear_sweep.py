@@ -15,11 +15,12 @@ the separate kernels are (None). The JSON says which the throughput section ran.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
+from loadtest.gpu_check.attention_sweep import time_calls
 from loadtest.gpu_check.plan import Plan
+from workers.cuda_graphs import cuda_capture
 
 APPLY_GAIN = 1.05
 LAYERS, LAYERS_DRY = 30, 2
@@ -90,29 +91,9 @@ def _time(fn, device: torch.device, repeats: int) -> tuple[float, list[torch.Ten
     and its outputs."""
     if device.type != "cuda":
         outs = [o.clone() for o in fn()]
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        return (time.perf_counter() - start) / repeats, outs
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up off the capture
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize(device)
-    seconds = start.elapsed_time(end) / 1e3 / repeats
-    del graph
-    return seconds, [o.clone() for o in outs]
+        return time_calls(fn, device, repeats), outs
+    replay, outs = cuda_capture(fn, None)  # compiled and warmed up off the capture
+    return time_calls(replay, device, repeats), [o.clone() for o in outs]
 
 
 def sweep(plan: Plan, repeats: int = 50) -> dict:

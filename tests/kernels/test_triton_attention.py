@@ -18,7 +18,8 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("no GPU and TRITON_INTERPRET is not 1 (tests/conftest.py sets it)", allow_module_level=True)
 
 from kernels import triton_attention  # noqa: E402
-from kernels.triton_attention import LaunchConfig, attention_grid, paged_attention, store_kv, tile_shape  # noqa: E402
+from kernels.triton_attention import LaunchConfig, attention_grid, paged_attention, tile_shape  # noqa: E402
+from kernels.triton_kv_write import store_kv  # noqa: E402
 from test_cpu_attention import dense_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,7 +167,7 @@ def test_grid_covers_any_split_of_the_tokens():
 def test_rope_store_kv_is_rope_then_store(dtype, heads, kv_heads, dim):
     """The fused kernel gives the bits of the layer ops' rotary followed by the store, over a qkv row layout
     (queries, keys and values side by side), negative slots skipped."""
-    from kernels.triton_attention import rope_store_kv
+    from kernels.triton_kv_write import rope_store_kv
     from kernels.triton_layer_ops import rope_
 
     gen = torch.Generator().manual_seed(1)

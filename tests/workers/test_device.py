@@ -39,7 +39,7 @@ def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, r
 def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir, reference, monkeypatch, fused):
     """The model on CUDA takes the Triton layer ops with the Triton attention (`build_model`); here they run
     in Triton's interpreter through every kind of step (chunks, decodes, mixed), with the same tokens: with
-    each norm fused into the matmul after it (every layer's two: `triton_attention.norm_qkv_rope_store` with
+    each norm fused into the matmul after it (every layer's two: `triton_kv_write.norm_qkv_rope_store` with
     the rotary and K/V store, `triton_linear.norm_linear` for the MLP) and without."""
     from kernels import triton_attention, triton_linear
     from kernels.triton_layer_ops import TritonLayerOps
