@@ -1,167 +1,186 @@
-"""Compile every Triton kernel variant the engine can launch, ahead of time, for a CUDA architecture, on a
-machine without a GPU (Triton ships its own ptxas). `python -m kernels.triton_aot --arch 90` prints one JSON
-line: how many variants compiled and which failed, so GPU-only compile errors surface in CPU-only CI.
+"""Compile Triton kernel variants ahead of time for a CUDA architecture, on a machine without a GPU (Triton ships
+its own ptxas), as the JIT would compile them at their launches, so that GPU-only compile errors surface in
+CPU-only CI and the code the GPU runs can be read here.
 
-Variants are the kernels' compile-time constants: dtype, the query-head group and head size of the Llama
-shapes we serve (SmolLM2's 9/3 heads of 64, Llama-3's 32/8 of 128, MHA and MQA) under each launch config the
-attention launches with (`launch_config`: by dtype, with one query per sequence or not), the store row width, for
-the layer ops (`kernels.triton_layer_ops`) the hidden size, the heads and head size of the rotary kernel, and
-for the fused norm-and-matmul (`kernels.triton_linear`, and with the rotary and K/V store in
-`kernels.triton_kv_write`) each kind of projection at each tile height."""
+A variant is what Triton's JIT specializes a launch on: the constexprs, the options (warps, stages) and each
+other argument's class, read from the launch's own values by Triton's own rule (`native_specialize_impl`):
+a tensor's dtype and whether its address is 16-byte aligned, an integer's width and whether it is divisible
+by 16, an integer equal to 1 compiled as the constant 1. The divisibility decides how wide the loads are, and
+with it whether a loop's loads are software-pipelined through shared memory (`cp.async`): compiled without it,
+the paged attention's key loop issued one dependent gather after another, 7 KB of shared memory, where the
+JIT's variant pipelines them, 11 KB (docs/benchmarks.md). So variants are not listed here by hand: `record`
+catches the launches of real calls (on the meta device their kernels never run; a tensor's offset still
+counts) and `compile_variants` compiles each distinct one. `workers/kernel_variants.py` drives the engine's
+model through the steps it launches, at the shapes it serves."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import inspect
-import itertools
-import json
-import sys
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # the most shared memory one block may take (bytes; CUDA's opt-in maximum): a kernel compiled past it raises
 # OutOfResources at its first launch, which compiling alone does not show
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-SHAPES = [(1, 64), (3, 64), (2, 32), (4, 128), (8, 128), (1, 128)]  # (query heads per KV head, head_dim)
-STORE_ROWS = [3 * 64, 2 * 32, 8 * 128]  # kv_heads * head_dim
-NORM_WIDTHS = [576, 2048, 4096, 8192]  # hidden sizes (SmolLM2-135M, Llama-3.2-1B, Llama-3-8B, -70B)
-ROPE_SHAPES = [(9 + 3, 64), (32 + 8, 128), (8 + 2, 32)]  # (query + KV heads, head_dim)
-ROPE_STORE_SHAPES = [(9, 3, 64), (32, 8, 128), (8, 2, 32)]  # (query heads, KV heads, head_dim)
-# the fused norm-and-matmul's kinds (residual, bias, gated): the first layer's qkv, qkv, qkv with a bias, gate/up;
-# the plain matmul (`plain_matmuls`) is compiled besides, with and without a bias
-NORM_LINEAR_KINDS = [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
 
 
-def _signature(fn, pointers: dict[str, str], floats: set[str], constexprs: dict) -> tuple[dict, dict]:
-    names = list(inspect.signature(fn.fn).parameters)
-    sig = {}
-    for name in names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-        else:
-            sig[name] = "fp32" if name in floats else "i32"
-    return sig, {(names.index(k),): v for k, v in constexprs.items()}
+@dataclass(frozen=True)
+class Variant:
+    """One compilation of a kernel: its name, the JIT's signature (argument name -> type, or "constexpr"),
+    constexprs by argument index, divisibility attributes by argument index, and options."""
+
+    name: str
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[int, Any], ...]
+    attrs: tuple[tuple[int, int], ...]  # (argument index, divisibility)
+    options: tuple[tuple[str, Any], ...]
+
+    def label(self) -> str:
+        names = [n for n, _ in self.signature]
+        consts = ", ".join(f"{names[i]}={v}" for i, v in self.constexprs)
+        aligned = {i for i, _ in self.attrs}
+        ints = [n for i, (n, t) in enumerate(self.signature) if t[0] in "iu" and t != "u1" and i in aligned]
+        unaligned = [n for i, (n, t) in enumerate(self.signature) if t.startswith("*") and i not in aligned]
+        opts = ", ".join(f"{k}={v}" for k, v in self.options)
+        return (f"{self.name}({consts}; divisible by 16: {', '.join(ints) or '-'}"
+                f"{'; unaligned: ' + ', '.join(unaligned) if unaligned else ''}; {opts})")
 
 
-def compile_all(arch: int) -> dict:
-    import torch
+def specialize(kernel, args: tuple, kwargs: dict) -> Variant:
+    """The variant Triton's JIT compiles for `kernel[grid](*args, **kwargs)`."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    params = kernel.params
+    names = [p.name for p in params]
+    bound = inspect.signature(kernel.fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in names})
+    bound.apply_defaults()
+    signature, constexprs, attrs = [], [], []
+    for i, p in enumerate(params):
+        value = bound.arguments[p.name]
+        if p.is_constexpr:
+            signature.append((p.name, "constexpr"))
+            constexprs.append((i, value))
+            continue
+        kind, key = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                           not p.do_not_specialize_on_alignment)
+        signature.append((p.name, kind))
+        if kind == "constexpr":  # an integer 1
+            constexprs.append((i, key))
+        elif isinstance(key, str) and "D" in key:
+            attrs.append((i, 16))
+    options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+    return Variant(kernel.fn.__name__, tuple(signature), tuple(constexprs), tuple(attrs), options)
+
+
+@contextlib.contextmanager
+def record() -> Iterator[dict[Variant, Any]]:
+    """Within it, every Triton kernel launch is recorded (variant -> kernel, in first-launch order) and not run."""
+    from triton.runtime.jit import JITFunction
+
+    seen: dict[Variant, Any] = {}
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        seen.setdefault(specialize(self, args, kwargs), self)
+
+    JITFunction.run = run
+    try:
+        yield seen
+    finally:
+        JITFunction.run = original
+
+
+def compile_variant(kernel, variant: Variant, arch: int):
+    """Triton's compiled kernel of `variant` for compute capability `arch`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_attention import _combine_splits_kernel, _paged_attention_kernel, launch_config, tile_shape
-    from kernels.triton_kv_write import _norm_qkv_rope_store_kernel, _rope_store_kv_kernel, _store_kv_kernel
-    from kernels.triton_layer_ops import SILU_BLOCK, _norm_warps, _rms_norm_kernel, _rope_kernel, _silu_and_mul_kernel
-    from kernels.triton_linear import NORM_LINEAR_CONFIG, LinearConfig, _norm_linear_kernel
+    source = ASTSource(fn=kernel, signature=dict(variant.signature),
+                       constexprs={(i,): v for i, v in variant.constexprs},
+                       attrs={(i,): [["tt.divisibility", d]] for i, d in variant.attrs})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(variant.options))
 
-    target = GPUTarget("cuda", arch, 32)
-    compiled, failed = 0, []
 
+def ptxas_resources(ptx: str, arch: int) -> dict:
+    """Registers per thread and spill bytes of `ptx`, by Triton's bundled ptxas (`-v`)."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
+                              str(path), "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None}
+
+
+_POOL: list[tuple[Variant, Any]] = []  # the variants a forked compile process reads by index
+
+
+def _compile_one(index: int, arch: int, resources: bool) -> dict:
+    variant, kernel = _POOL[index]
+    try:
+        built = compile_variant(kernel, variant, arch)
+    except Exception as e:
+        text = str(e).strip()
+        return {"error": f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"}
+    result = {"shared_memory": int(getattr(built.metadata, "shared", 0) or 0)}
+    if resources:
+        result |= ptxas_resources(built.asm["ptx"], arch)
+    return result
+
+
+def compile_variants(variants: dict[Variant, Any], arch: int, resources: bool = False, jobs: int | None = None) -> dict:
+    """Compile each variant for `arch`, in `jobs` processes (default: one per CPU): how many compiled, which
+    failed (a compile error, or more shared memory than a block may take), the most shared memory one took,
+    and per kernel how many variants; with `resources`, each variant's shared memory, registers and spills."""
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    import triton
+
+    _POOL[:] = list(variants.items())
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(_POOL)))
+    try:
+        if jobs == 1:
+            results = [_compile_one(i, arch, resources) for i in range(len(_POOL))]
+        else:  # forked: the children read the variants (and their kernels) from `_POOL`
+            with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+                results = list(pool.map(_compile_one, range(len(_POOL)), [arch] * len(_POOL),
+                                        [resources] * len(_POOL), chunksize=4))
+        labels = [variant.label() for variant, _ in _POOL]
+        names = [variant.name for variant, _ in _POOL]
+    finally:
+        _POOL.clear()
     shared_limit = SHARED_MEMORY_LIMIT.get(arch)
-    most_shared = 0
-
-    def build(fn, sig, consts, label, options=None):
-        nonlocal compiled, most_shared
-        try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target, options=options)
-        except Exception as e:  # report every failure, not just the first
-            failed.append(f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-            return
-        shared = int(getattr(kernel.metadata, "shared", 0) or 0)
+    compiled, failed, most_shared = 0, [], 0
+    per_kernel: dict[str, int] = {}
+    details = []
+    for label, name, result in zip(labels, names, results):
+        if "error" in result:  # every failure is reported, not just the first
+            failed.append(f"{label}: {result['error']}")
+            continue
+        shared = result["shared_memory"]
         most_shared = max(most_shared, shared)
         if shared_limit is not None and shared > shared_limit:  # the launch would raise OutOfResources
             failed.append(f"{label}: needs {shared} B of shared memory, the GPU has {shared_limit}")
-            return
+            continue
         compiled += 1
-
-    for short in DTYPES:
-        ptr = f"*{short}"
-        for (group, head_dim), one_query in itertools.product(SHAPES, (True, False)):
-            config = launch_config(getattr(torch, DTYPES[short]), one_query)
-            block_q, group_p, head_dim_p = tile_shape(group, head_dim)
-            upcast = short == "fp32"
-            pointers = {n: ptr for n in ("q_ptr", "k_cache", "v_cache", "out_ptr")}
-            pointers.update({n: "*i64" for n in ("block_tables", "seq_lens", "query_start_loc")})
-            # a decode step's keys split between programs (`LaunchConfig.num_splits`; the sweep tries 2-4)
-            for splits in (config.num_splits, 4) if one_query and short != "fp32" else (config.num_splits,):
-                consts = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
-                              BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32",
-                              ONE_QUERY=one_query, SPLIT=one_query and splits > 1)
-                ptrs = dict(pointers, part_acc="*fp32" if splits > 1 else ptr, part_ml="*fp32" if splits > 1 else ptr)
-                sig, cx = _signature(_paged_attention_kernel, ptrs, {"scale"}, consts)
-                build(_paged_attention_kernel, sig, cx, f"attention {short} group={group} head_dim={head_dim} "
-                      f"one_query={one_query} splits={splits} {config}",
-                      {"num_warps": config.num_warps, "num_stages": config.num_stages})
-        for head_dim in (64, 128):
-            sig, cx = _signature(_combine_splits_kernel, {"part_acc": "*fp32", "part_ml": "*fp32", "out_ptr": ptr},
-                                 set(), dict(HEAD_DIM=head_dim, HEAD_DIM_P=head_dim, SPLITS_P=16))
-            build(_combine_splits_kernel, sig, cx, f"combine_splits {short} head_dim={head_dim}",
-                  {"num_warps": 1 if head_dim <= 64 else 2})
-        for row in STORE_ROWS:
-            pointers = {n: ptr for n in ("key", "value", "k_cache", "v_cache")}
-            pointers["slot_mapping"] = "*i64"
-            sig, cx = _signature(_store_kv_kernel, pointers, set(), dict(ROW=row, ROW_P=triton.next_power_of_2(row)))
-            build(_store_kv_kernel, sig, cx, f"store_kv {short} row={row}")
-        for heads, kv_heads, head_dim in ROPE_STORE_SHAPES:
-            pointers = {n: ptr for n in ("qk_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache", "v_cache")}
-            pointers.update({"pos_ptr": "*i64", "slot_mapping": "*i64"})
-            consts = dict(HALF=head_dim // 2, HEADS_P=triton.next_power_of_2(heads + kv_heads),
-                          HALF_P=triton.next_power_of_2(head_dim // 2), KV_P=triton.next_power_of_2(kv_heads),
-                          DIM_P=triton.next_power_of_2(head_dim))
-            sig, cx = _signature(_rope_store_kv_kernel, pointers, set(), consts)
-            build(_rope_store_kv_kernel, sig, cx, f"rope_store_kv {short} heads={heads}/{kv_heads} head_dim={head_dim}")
-        for width in NORM_WIDTHS:
-            block = triton.next_power_of_2(width)
-            for has_res in (False, True):
-                pointers = {n: ptr for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "sum_ptr")}
-                sig, cx = _signature(_rms_norm_kernel, pointers, {"eps"}, dict(HAS_RES=has_res, BLOCK=block))
-                build(_rms_norm_kernel, sig, cx, f"rms_norm {short} width={width} residual={has_res}",
-                      {"num_warps": _norm_warps(block)})
-        for heads, head_dim in ROPE_SHAPES:
-            pointers = {n: ptr for n in ("x_ptr", "cos_ptr", "sin_ptr")}
-            pointers["pos_ptr"] = "*i64"
-            consts = dict(HALF=head_dim // 2, HEADS_P=triton.next_power_of_2(heads),
-                          HALF_P=triton.next_power_of_2(head_dim // 2))
-            sig, cx = _signature(_rope_kernel, pointers, set(), consts)
-            build(_rope_kernel, sig, cx, f"rope {short} heads={heads} head_dim={head_dim}")
-        sig, cx = _signature(_silu_and_mul_kernel, {"gu_ptr": ptr, "out_ptr": ptr}, set(), dict(BLOCK=SILU_BLOCK))
-        build(_silu_and_mul_kernel, sig, cx, f"silu_and_mul {short}", {"num_warps": 4})
-        # the fused norm-and-matmul: each tile height a step's rows round to, each kind of projection
-        config = NORM_LINEAR_CONFIG or LinearConfig()
-        heights = sorted({config.rows_per_program(rows) for rows in (1, 17, 33, 65, 129, config.max_rows)})
-        upcast = short == "fp32"
-        kinds = [(*kind, True) for kind in NORM_LINEAR_KINDS] + [(False, False, False, False), (False, True, False, False)]
-        for block_m, (has_res, has_bias, gated, norm) in itertools.product(heights, kinds):
-            pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr")}
-            consts = dict(HAS_RES=has_res, HAS_BIAS=has_bias, GATED=gated, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32", NORM=norm)
-            sig, cx = _signature(_norm_linear_kernel, pointers, {"eps"}, consts)
-            build(_norm_linear_kernel, sig, cx,
-                  f"{'norm_linear' if norm else 'linear'} {short} block_m={block_m} residual={has_res} bias={has_bias} "
-                  f"gated={gated} {config}", {"num_warps": config.num_warps, "num_stages": config.num_stages})
-        # ... and with the rotary and K/V store (a layer's input), per head size
-        for block_m, (has_res, has_bias, _), head_dim in itertools.product(heights, NORM_LINEAR_KINDS[:3], (64, 128)):
-            pointers = {n: ptr for n in ("x_ptr", "res_ptr", "sum_ptr", "nw_ptr", "w_ptr", "b_ptr", "q_ptr", "cos_ptr",
-                                         "sin_ptr", "k_cache", "v_cache")}
-            pointers.update({"pos_ptr": "*i64", "slot_mapping": "*i64"})
-            consts = dict(HAS_RES=has_res, HAS_BIAS=has_bias, HALF=head_dim // 2, BLOCK_M=block_m,
-                          BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION="ieee" if upcast else "tf32")
-            sig, cx = _signature(_norm_qkv_rope_store_kernel, pointers, {"eps"}, consts)
-            build(_norm_qkv_rope_store_kernel, sig, cx,
-                  f"norm_qkv_rope_store {short} block_m={block_m} residual={has_res} bias={has_bias} "
-                  f"head_dim={head_dim} {config}", {"num_warps": config.num_warps, "num_stages": config.num_stages})
-    return {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed,
-            "most_shared_memory": most_shared, "shared_memory_limit": shared_limit}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 for H100/H200")
-    report = compile_all(parser.parse_args(argv).arch)
-    print(json.dumps(report))
-    return 1 if report["failed"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        per_kernel[name] = per_kernel.get(name, 0) + 1
+        if resources:
+            details.append({"variant": label, **result})
+    report = {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed,
+              "most_shared_memory": most_shared, "shared_memory_limit": shared_limit, "variants_per_kernel": per_kernel}
+    if resources:
+        report["variants"] = details
+    return report

@@ -300,9 +300,9 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)
-        if self.device.type != "cuda" and not interpreting():
-            raise ValueError(f"the triton attention backend runs on CUDA devices, or on {self.device} only under "
-                             "TRITON_INTERPRET=1")
+        if self.device.type not in ("cuda", "meta") and not interpreting():
+            raise ValueError(f"the triton attention backend runs on CUDA devices (and traces on meta), or on "
+                             f"{self.device} only under TRITON_INTERPRET=1")
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         def put(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

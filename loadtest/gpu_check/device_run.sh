@@ -16,7 +16,7 @@ timeout 300 python3 -m loadtest.gpu_check --model .gpu_check/model --out "$OUT" 
 echo "gpu_check exit $?"
 # the Triton kernels and the CUDA IPC hand-off, on the GPU (the AOT sm_90 compile is CI's, on the CPU)
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
-    tests/kernels/test_triton_layer_ops.py tests/kernels/test_triton_linear.py tests/workers/test_kv_transfer_cuda_ipc.py -k "not compiles_for_sm90" \
+    tests/kernels/test_triton_layer_ops.py tests/kernels/test_triton_linear.py tests/workers/test_kv_transfer_cuda_ipc.py \
     > "$OUT/pytest.txt" 2>&1
 echo "pytest exit $?"
 # the engine's own Python per decode step on this machine's CPU, the model on the GPU (graphs on)
