@@ -80,6 +80,7 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
     from loadtest.gpu_check.plan import GRAPH_SPEEDUP_TARGET, ROOFLINE_TARGET
     from loadtest.gpu_check.throughput import batch1_decode, batch_throughput, copy_bandwidth
+    from workers.config import EngineConfig
 
     bandwidth = copy_bandwidth(torch.device(plan.device), plan.copy_bytes)
     ahead = True if plan.dry_run else None  # the engine's default on a GPU; forced on for the dry run
@@ -89,7 +90,10 @@ def throughput(plan, model: str, vocab: int) -> dict:
              "graphs_in_turn": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True, ahead=False),
              # and of overlapped outputs: each step's outputs made before the next step
              "graphs_outputs_in_step": batch_throughput(plan, model, vocab, True, bandwidth, overlap=False,
-                                                        ahead=False)}
+                                                        ahead=False),
+             # the engine's default beside: speculation (4 drafts, no batch limit), which keeps steps in turn
+             "graphs_speculating": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True,
+                                                    speculative_tokens=EngineConfig.num_speculative_tokens)}
     single = {"graphs": batch1_decode(plan, model, vocab, True), "eager": batch1_decode(plan, model, vocab, False)}
     eager_tok_s = single["eager"]["decode_tok_s"]
     speedup = single["graphs"]["decode_tok_s"] / eager_tok_s if eager_tok_s else None
@@ -188,13 +192,14 @@ def summary(report: dict) -> str:
     if ls.get("applied") and not report["mode"] == "dry-run":
         lines.append(f"  fused norm+matmul config applied for the sections after: {ls['applied']}")
     tp = report["checks"].get("throughput", {})
-    for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step"):
+    for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step", "graphs_speculating"):
         b = tp.get("batch", {}).get(kind, {})
         if b:
             frac = b.get("roofline_fraction")
             lines.append(f"  batch {b['requests']} {kind}: {b['output_tok_s']:.0f} out tok/s, decode step "
                          f"{b.get('decode_step_ms', float('nan')):.2f} ms, roofline "
-                         f"{'n/a' if frac is None else f'{frac:.0%}'}")
+                         f"{'n/a' if frac is None else f'{frac:.0%}'}"
+                         + (f", {b['kept_drafts']} of {b['draft_tokens']} drafts kept" if "draft_tokens" in b else ""))
             if b.get("graph_replay", {}).get("device_step_ms"):
                 g = b["graph_replay"]
                 lines.append(f"    its graph alone: {g['device_step_ms']:.2f} ms a replay at {g['context_tokens']} "

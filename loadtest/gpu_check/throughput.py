@@ -83,23 +83,29 @@ def _norm_linear_config() -> dict | None:
 
 
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
-                     overlap: bool | None = None, ahead: bool | None = None) -> dict:
+                     overlap: bool | None = None, ahead: bool | None = None, speculative_tokens: int = 0) -> dict:
     """`overlap`: make each step's outputs during the next step (`Engine.overlap_outputs`, forced on for the
     dry run on the CPU); False: `disable_async_output_proc`; None: the engine's default, on for a GPU.
     `ahead`: `async_scheduling` (each decode step queued behind the one before; True runs it on the CPU too);
-    None: the engine's default, on for a GPU."""
+    None: the engine's default, on for a GPU without speculation. `speculative_tokens`: drafts per step (the
+    engine's default is 4; 0 here unless given)."""
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=plan.batch,
-                         in_step_outputs=overlap is False, async_scheduling=ahead)
+                         speculative_tokens=speculative_tokens, in_step_outputs=overlap is False,
+                         async_scheduling=ahead)
     by_default = engine.overlap_outputs
     if overlap:
         engine.overlap_outputs = True
     warm = random_prompts(min(plan.batch, 8), plan.prompt_len, vocab, seed=9)
     generate(engine, warm, greedy(plan.warmup_tokens), prefix="w")
+    sched = engine.scheduler
+    drafted = sched.num_draft_tokens, sched.num_accepted_tokens
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
+    if speculative_tokens:
+        run |= {"draft_tokens": sched.num_draft_tokens - drafted[0], "kept_drafts": sched.num_accepted_tokens - drafted[1]}
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
-              "norm_linear_config": _norm_linear_config(),
+              "norm_linear_config": _norm_linear_config(), "num_speculative_tokens": speculative_tokens,
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:
