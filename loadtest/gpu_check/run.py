@@ -28,6 +28,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "replayed eagerly: exercises every section here")
     p.add_argument("--only", metavar="SECTION,...", help="run only these sections (a rerun within a short lease); "
                    "the others are recorded as skipped")
+    p.add_argument("--separate-kernels", action="store_true",
+                   help="every section with each layer's norms, matmuls, rotary and SiLU in separate kernels (the "
+                   "fused norm-and-matmul off, linear_sweep skipped): a rerun's fallback if the fused kernels fail "
+                   "on a GPU; default: fused")
     args = p.parse_args(argv)
     if args.prepare is None and args.out is None:
         p.error("--out DIR is required (or --prepare DIR)")
@@ -117,9 +121,10 @@ SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_grap
 
 
 def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None,
-               only: set[str] | None = None) -> dict:
+               only: set[str] | None = None, separate_kernels: bool = False) -> dict:
     """Every section in turn (or those in `only`; `environment` always runs); `on_done(results so far)` after
-    each, so a run stopped at its time limit still leaves what it measured."""
+    each, so a run stopped at its time limit still leaves what it measured. `separate_kernels`: the fused
+    norm-and-matmul off throughout (`triton_linear.NORM_LINEAR_CONFIG = None`), its sweep skipped."""
     from loadtest.gpu_check.model_files import write_weights
 
     write_weights(model_dir)
@@ -133,6 +138,10 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
 
     device = torch.device(plan.device)
     results: dict = {}
+    if separate_kernels:
+        from kernels import triton_linear
+
+        triton_linear.NORM_LINEAR_CONFIG = None
 
     def done() -> None:
         if on_done is not None:
@@ -154,7 +163,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab))
     section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
     section("attention_sweep", lambda: attention_sweep.sweep(plan))
-    section("linear_sweep", lambda: linear_sweep.sweep(plan))
+    section("linear_sweep", lambda: linear_sweep.sweep(plan), "--separate-kernels" if separate_kernels else None)
     section("throughput", lambda: throughput(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
@@ -254,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         only = set(args.only.split(",")) if args.only else None
-        checks = run_checks(plan, model_dir, on_done=lambda partial: write(partial, complete=False), only=only)
+        checks = run_checks(plan, model_dir, on_done=lambda partial: write(partial, complete=False), only=only,
+                            separate_kernels=args.separate_kernels)
     except Exception as e:  # the model folder itself: nothing else can run
         checks = {"setup": {"status": "error", "error": f"{type(e).__name__}: {e}",
                             "traceback": traceback.format_exc()[-4000:]}}

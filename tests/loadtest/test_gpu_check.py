@@ -125,3 +125,16 @@ def test_only_runs_the_named_sections(tmp_path):
                           "--only", "throughput,nonsense"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown sections ['nonsense']" in bad.stderr
+
+
+def test_separate_kernels_keeps_the_fused_norm_and_matmul_off(tmp_path):
+    """`--separate-kernels` (a rerun's fallback if the fused kernels fail on a GPU): the linear sweep is
+    skipped and the throughput section runs with each layer's norms and matmuls apart."""
+    proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
+                           "--only", "linear_sweep,throughput", "--separate-kernels"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+    assert checks["linear_sweep"] == {"status": "skipped", "reason": "--separate-kernels"}
+    assert checks["throughput"]["status"] == "passed"
+    assert all(b["norm_linear_config"] is None for b in checks["throughput"]["batch"].values())
