@@ -16,6 +16,7 @@ model through the steps it launches, at the shapes it serves."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import re
 import subprocess
@@ -115,8 +116,9 @@ def ptxas_resources(ptx: str, arch: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.ptx"
         path.write_text(ptx)
-        log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}a" if arch >= 90 else f"--gpu-name=sm_{arch}",
-                              str(path), "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True).stderr
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"  # the arch-specific instructions Triton emits for 90
+        log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={gpu}", str(path), "-o",
+                              str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"registers": int(regs.group(1)) if regs else None,
@@ -127,13 +129,26 @@ _POOL: list[tuple[Variant, Any]] = []  # the variants a forked compile process r
 
 
 def _compile_one(index: int, arch: int, resources: bool) -> dict:
+    """Variant `index` of `_POOL` compiled. One launched with its pipeline stages given (the kernels with a
+    pipelined loop, through `triton_linear.launch_fitting`) is compiled again with fewer past the shared memory
+    a block may take, as that launch falls back (`num_stages` then says how many fit)."""
     variant, kernel = _POOL[index]
-    try:
-        built = compile_variant(kernel, variant, arch)
-    except Exception as e:
-        text = str(e).strip()
-        return {"error": f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"}
-    result = {"shared_memory": int(getattr(built.metadata, "shared", 0) or 0)}
+    limit = SHARED_MEMORY_LIMIT.get(arch)
+    options = dict(variant.options)
+    fits = "num_stages" in options
+    while True:
+        try:
+            built = compile_variant(kernel, dataclasses.replace(variant, options=tuple(sorted(options.items()))), arch)
+        except Exception as e:
+            text = str(e).strip()
+            return {"error": f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}"}
+        shared = int(getattr(built.metadata, "shared", 0) or 0)
+        if not fits or limit is None or shared <= limit or options["num_stages"] <= 1:
+            break
+        options["num_stages"] -= 1
+    result = {"shared_memory": shared}
+    if options != dict(variant.options):
+        result["num_stages"] = options["num_stages"]
     if resources:
         result |= ptxas_resources(built.asm["ptx"], arch)
     return result
@@ -141,8 +156,9 @@ def _compile_one(index: int, arch: int, resources: bool) -> dict:
 
 def compile_variants(variants: dict[Variant, Any], arch: int, resources: bool = False, jobs: int | None = None) -> dict:
     """Compile each variant for `arch`, in `jobs` processes (default: one per CPU): how many compiled, which
-    failed (a compile error, or more shared memory than a block may take), the most shared memory one took,
-    and per kernel how many variants; with `resources`, each variant's shared memory, registers and spills."""
+    failed (a compile error, or more shared memory than a block may take even with the fewest stages), those
+    that fit only with fewer stages, the most shared memory one took, and per kernel how many variants; with
+    `resources`, each variant's shared memory, registers and spills."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
@@ -163,7 +179,7 @@ def compile_variants(variants: dict[Variant, Any], arch: int, resources: bool = 
     finally:
         _POOL.clear()
     shared_limit = SHARED_MEMORY_LIMIT.get(arch)
-    compiled, failed, most_shared = 0, [], 0
+    compiled, failed, most_shared, fitted = 0, [], 0, []
     per_kernel: dict[str, int] = {}
     details = []
     for label, name, result in zip(labels, names, results):
@@ -177,10 +193,13 @@ def compile_variants(variants: dict[Variant, Any], arch: int, resources: bool = 
             continue
         compiled += 1
         per_kernel[name] = per_kernel.get(name, 0) + 1
+        if "num_stages" in result:
+            fitted.append(f"{label}: {result['num_stages']} stages fit ({shared} B)")
         if resources:
             details.append({"variant": label, **result})
     report = {"arch": arch, "triton": triton.__version__, "compiled": compiled, "failed": failed,
-              "most_shared_memory": most_shared, "shared_memory_limit": shared_limit, "variants_per_kernel": per_kernel}
+              "most_shared_memory": most_shared, "shared_memory_limit": shared_limit, "variants_per_kernel": per_kernel,
+              "fewer_stages": fitted}
     if resources:
         report["variants"] = details
     return report

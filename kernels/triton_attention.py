@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels import triton_linear
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.triton_kv_write import fusable_head_dim, norm_qkv_rope_store, rope_store_kv, store_kv
-from kernels.triton_linear import dot_mode, interpreting
+from kernels.triton_linear import dot_mode, interpreting, launch_fitting
 
 
 @triton.jit
@@ -258,7 +258,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         grid = (*grid, splits)
     else:
         part_acc = part_ml = out
-    _paged_attention_kernel[grid](
+    launch_fitting(
+        _paged_attention_kernel, grid,
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.triton_layer_ops import rotate_halves, rotate_in_place
-from kernels.triton_linear import dot_mode, normed_tile, row_scale
+from kernels.triton_linear import dot_mode, launch_fitting, normed_tile, row_scale
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -186,7 +186,8 @@ def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         upcast, precision = dot_mode(x.dtype)
         res = x if residual is None else residual
         grid = (triton.cdiv(m, block_m), num_heads + 2 * num_kv_heads)
-        _norm_qkv_rope_store_kernel[grid](
+        launch_fitting(
+            _norm_qkv_rope_store_kernel, grid,
             x, res, total, norm_weight, weight, weight if bias is None else bias, q, cos_table, sin_table, positions,
             slot_mapping, k_cache, v_cache, m, k, num_heads, num_kv_heads, x.stride(0), res.stride(0), total.stride(0),
             weight.stride(0), q.stride(0), q.stride(1), cos_table.stride(0), k_cache.shape[1],

@@ -5,7 +5,8 @@ On an H200 a batch-256 decode step of SmolLM2-135M ran 309 kernels in 1.5 ms of 
 (docs/benchmarks.md, "First runs on an H200"): cuBLAS's four GEMMs a layer took 0.54 ms at 256 rows, where the
 weights alone would stream in 0.07 ms, and the norms, rotary, store and SiLU kernels between them another 0.25
 ms, 2-5 us each whatever their size. Here the residual add, the norm and the qkv projection are one kernel, and
-so are the add, the norm, the gate/up projection and SiLU-and-multiply: a layer runs six kernels instead of nine.
+so are the add, the norm, the gate/up projection and SiLU-and-multiply: a layer runs six kernels instead of nine
+(five with the rotary embedding and the K/V store in the qkv kernel, `kernels/triton_kv_write.py`).
 
 Each program computes a tile of output rows by output columns. It reads its rows twice: once for the
 sum of squares (the norm's scale per row), once to normalise them tile by tile into the matmul, rounding
@@ -36,6 +37,31 @@ def dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
     under the interpreter every dot in float32 (its bfloat16 `tl.dot` is wrong)."""
     upcast = interpreting() or dtype == torch.float32
     return upcast, "ieee" if upcast else "tf32"
+
+
+# the pipeline stages that fit a variant whose launch at more found the GPU's shared memory too small
+_FITTED_STAGES: dict[tuple, int] = {}
+
+
+def launch_fitting(kernel, grid: tuple, *args, num_stages: int, **kwargs) -> None:
+    """`kernel[grid](*args, num_stages=num_stages, **kwargs)`, with fewer software-pipeline stages where a
+    variant needs more shared memory than the GPU gives a block (Triton raises `OutOfResources` before
+    launching anything): in float32 the fused kernels' three stages take 107 KB, past the 99 KB of an sm_86/89
+    GPU (A10, L4, L40S), and two take 58. The stages that fit are remembered per variant (its constexprs and
+    warps, the first argument's dtype), so only a variant's first launch tries more."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (kernel, getattr(args[0], "dtype", None), num_stages, tuple(sorted(kwargs.items())))
+    stages = _FITTED_STAGES.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **kwargs)
+            return
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            _FITTED_STAGES[key] = stages
 
 
 @triton.jit
@@ -197,8 +223,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         block_m = config.rows_per_program(m)
         upcast, precision = dot_mode(x.dtype)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
-        _norm_linear_kernel[grid](
-            x, x, x, x, weight, weight if bias is None else bias, out, m, n, k,
+        launch_fitting(
+            _norm_linear_kernel, grid, x, x, x, x, weight, weight if bias is None else bias, out, m, n, k,
             x.stride(0), x.stride(0), x.stride(0), weight.stride(0), out.stride(0), 0.0,
             HAS_RES=False, HAS_BIAS=bias is not None, GATED=False, BLOCK_M=block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION=precision, NORM=False,
@@ -231,7 +257,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
         upcast, precision = dot_mode(x.dtype)
         res = x if residual is None else residual
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, config.block_n))
-        _norm_linear_kernel[grid](
+        launch_fitting(
+            _norm_linear_kernel, grid,
             x, res, total, norm_weight, weight, weight if bias is None else bias, out, m, n, k,
             x.stride(0), res.stride(0), total.stride(0), weight.stride(0), out.stride(0), eps,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,

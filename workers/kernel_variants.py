@@ -79,7 +79,8 @@ def _configs(decode: triton_attention.LaunchConfig, linear: triton_linear.Linear
         triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG = saved
 
 
-def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[Variant, Any]:
+def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES),
+                    dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[Variant, Any]:
     """The variants the engine's steps launch (see the module docstring), in first-launch order."""
     attn = TritonPagedAttention("meta")
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG

@@ -240,3 +240,36 @@ def test_triton_ops_linear_takes_the_kernel_only_under_plain_matmuls(monkeypatch
         for w in (narrow, wide):
             torch.testing.assert_close(triton_ops.linear(x, w), torch.nn.functional.linear(x, w), **TOLERANCE[torch.float32])
     assert calls == [64]
+
+
+class _SharedMemoryKernel:
+    """A stand-in kernel whose launch needs more shared memory than the GPU has at more than `fits` stages, as
+    Triton's `OutOfResources` says before launching anything; records each launch's stages."""
+
+    def __init__(self, fits: int) -> None:
+        self.fits, self.launches = fits, []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_stages, **kwargs):
+            from triton.runtime.errors import OutOfResources
+
+            self.launches.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(40000 * num_stages, 101376, "shared memory")
+        return launch
+
+
+def test_launch_fitting_takes_fewer_stages_where_shared_memory_is_short():
+    kernel = _SharedMemoryKernel(fits=2)
+    x = torch.zeros(2, dtype=torch.float32)
+    triton_linear.launch_fitting(kernel, (1,), x, 7, num_stages=3, num_warps=4, BLOCK=16)
+    assert kernel.launches == [3, 2]
+    triton_linear.launch_fitting(kernel, (1,), x, 7, num_stages=3, num_warps=4, BLOCK=16)  # remembered
+    assert kernel.launches == [3, 2, 2]
+    # another dtype is another variant: it tries three stages first too
+    triton_linear.launch_fitting(kernel, (1,), x.bfloat16(), 7, num_stages=3, num_warps=4, BLOCK=16)
+    assert kernel.launches == [3, 2, 2, 3, 2]
+    none_fit = _SharedMemoryKernel(fits=0)
+    with pytest.raises(Exception, match="shared memory"):
+        triton_linear.launch_fitting(none_fit, (1,), x, num_stages=2, num_warps=4)
+    assert none_fit.launches == [2, 1]
