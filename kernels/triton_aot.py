@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 # the most shared memory one block may take (bytes; CUDA's opt-in maximum): a kernel compiled past it raises
 # OutOfResources at its first launch, which compiling alone does not show
-SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+SHARED_MEMORY_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 
 @dataclass(frozen=True)
