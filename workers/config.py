@@ -84,8 +84,10 @@ class EngineConfig:
     prompt_lookup_max: int = _opt(4, "Speculation: the longest suffix (in tokens) looked up in the sequence.")
     prompt_lookup_min: int = _opt(2, "Speculation: the shortest suffix (in tokens) looked up in the sequence.")
     speculative_disable_by_batch_size: int | None = _opt(
-        None, "Speculation: no drafts in a step while more requests than this run; default: no limit (beside "
-              "other requests, each drafts only as many tokens as its record of kept drafts earns).")
+        None, "Speculation: no drafts in a step while more requests than this run; default: no limit on the CPU "
+              "(beside other requests, each drafts only as many tokens as its record of kept drafts earns), and "
+              "where decode steps replay CUDA graphs as many as the largest graph holds with all their drafts, "
+              "max_num_seqs // (1 + num_speculative_tokens) (a step of more rows would run eagerly).")
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "speculative_disable_by_batch_size"):
@@ -123,11 +125,28 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} names one GPU, but with tensor_parallel_size "
                              f"{self.tensor_parallel_size} Ray gives each rank its own; use device cuda")
-        if self.async_scheduling and self.num_speculative_tokens and self.speculative_disable_by_batch_size is None:
-            raise ValueError("async_scheduling runs steps ahead only when they have no drafts: with speculation "
-                             "(num_speculative_tokens), set speculative_disable_by_batch_size (steps of more "
-                             "requests then run ahead), or num_speculative_tokens to 0, or async_scheduling off")
+        if self.async_scheduling and self.speculative_disable_by_batch_size is None and (
+                self.device == "cpu" or self.enforce_eager or self.tensor_parallel_size > 1):
+            # no CUDA graphs, so no default limit (`default_speculation_limit`); elsewhere the engine checks
+            check_async_speculation(self.async_scheduling, self.num_speculative_tokens, None)
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not run with tensor_parallel_size > 1")
         if self.num_threads is None:
             self.num_threads = os.cpu_count() or 1
+
+
+def default_speculation_limit(config: EngineConfig, graph_batch: int | None) -> int | None:
+    """`speculative_disable_by_batch_size`, or by default, where decode steps replay CUDA graphs of up to
+    `graph_batch` rows, the most requests whose drafts all fit the largest graph (each draft is a row of the
+    step): a step of more rows runs eagerly (a batch-256 decode step took 29 ms on an H200 against 4.9 replaying
+    its graph, docs/benchmarks.md), so above that steps draft nothing and, with async scheduling, run ahead."""
+    if config.speculative_disable_by_batch_size is not None or not config.num_speculative_tokens or graph_batch is None:
+        return config.speculative_disable_by_batch_size
+    return max(1, graph_batch // (1 + config.num_speculative_tokens))
+
+
+def check_async_speculation(async_scheduling: bool | None, num_speculative_tokens: int, limit: int | None) -> None:
+    if async_scheduling and num_speculative_tokens and limit is None:
+        raise ValueError("async_scheduling runs steps ahead only when they have no drafts: with speculation "
+                         "(num_speculative_tokens), set speculative_disable_by_batch_size (steps of more "
+                         "requests then run ahead), or num_speculative_tokens to 0, or async_scheduling off")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.config import EngineConfig
+from workers.config import EngineConfig, check_async_speculation, default_speculation_limit
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_loader import load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
 from workers.model_setup import build_model, kv_blocks, make_runner, profile_kv_budget
@@ -116,10 +116,13 @@ class Engine:
             self.runner = make_runner(self.model, attn, config, self.num_kv_blocks, self.dtype, self.device,
                                       self.max_model_len, self.structured)
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        graphs = getattr(self.runner, "graphs", None)
+        spec_limit = default_speculation_limit(config, graphs.sizes[-1] if graphs is not None else None)
+        check_async_speculation(config.async_scheduling, config.num_speculative_tokens, spec_limit)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
                             self.max_model_len, config.num_speculative_tokens, config.prompt_lookup_max,
-                            config.prompt_lookup_min, config.speculative_disable_by_batch_size),
+                            config.prompt_lookup_min, spec_limit),
             self.kv_cache, make_request_queue(config.scheduling_policy, _load_predictor(config.length_predictor)))
         self.outputs = OutputProcessor(self.tokenizer, config.stream_interval)
         eos = self.tokenizer.eos_token_id
@@ -132,11 +135,11 @@ class Engine:
                                 and not config.disable_async_output_proc)
         self._pending: _PendingOutputs | None = None
         # On one GPU, each decode step without drafts is queued behind the one the device runs (`step`): without
-        # speculation, or with it off for batches above `speculative_disable_by_batch_size`.
+        # speculation, or with it off for batches above `speculative_disable_by_batch_size` (by default, with
+        # CUDA graphs, above the requests whose drafts fit the largest graph: `default_speculation_limit`).
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None else
                                  isinstance(self.runner, ModelRunner) and self.device.type == "cuda"
-                                 and (not config.num_speculative_tokens
-                                      or config.speculative_disable_by_batch_size is not None))
+                                 and (not config.num_speculative_tokens or spec_limit is not None))
         self._inflight: InFlight | None = None
         self._ahead = RunAhead(self.scheduler, self.runner, self.structured)
 

@@ -16,7 +16,7 @@ from workers.sampling_params import SamplingParams
 
 def make_engine(plan: Plan, model: str, dtype: str, device: str, backend: str, graphs: bool,
                 max_num_seqs: int = 256, speculative_tokens: int = 0, in_step_outputs: bool = False,
-                async_scheduling: bool | None = None) -> Engine:
+                async_scheduling: bool | None = None, speculation_limit: int | None = None) -> Engine:
     """An engine on `device`; `graphs` captures decode graphs (CUDA graphs on a GPU, replayed eagerly on
     the CPU through `eager_capture`, which needs the triton backend). Speculation is off unless asked for,
     so the throughput sections measure plain decode steps against the roofline."""
@@ -24,7 +24,7 @@ def make_engine(plan: Plan, model: str, dtype: str, device: str, backend: str, g
                           enforce_eager=not graphs, max_model_len=plan.max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=2048, kv_cache_memory=plan.kv_cache_memory,
                           num_speculative_tokens=speculative_tokens, disable_async_output_proc=in_step_outputs,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, speculative_disable_by_batch_size=speculation_limit)
     engine = Engine(config)
     if graphs and engine.device.type == "cpu":
         from workers.cuda_graphs import eager_capture

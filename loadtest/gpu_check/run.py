@@ -95,9 +95,14 @@ def throughput(plan, model: str, vocab: int) -> dict:
              # and of overlapped outputs: each step's outputs made before the next step
              "graphs_outputs_in_step": batch_throughput(plan, model, vocab, True, bandwidth, overlap=False,
                                                         ahead=False),
-             # the engine's default beside: speculation (4 drafts, no batch limit), which keeps steps in turn
+             # the engine's default speculation (4 n-gram drafts; with graphs none while more requests run than the
+             # largest graph holds with theirs, so a full batch runs ahead) ...
              "graphs_speculating": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True,
-                                                    speculative_tokens=EngineConfig.num_speculative_tokens)}
+                                                    speculative_tokens=EngineConfig.num_speculative_tokens),
+             # ... and drafts at any batch (steps of more rows than a graph run eagerly, and in turn)
+             "graphs_drafting_always": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True,
+                                                        speculative_tokens=EngineConfig.num_speculative_tokens,
+                                                        speculation_limit=plan.batch)}
     single = {"graphs": batch1_decode(plan, model, vocab, True), "eager": batch1_decode(plan, model, vocab, False)}
     eager_tok_s = single["eager"]["decode_tok_s"]
     speedup = single["graphs"]["decode_tok_s"] / eager_tok_s if eager_tok_s else None
@@ -201,7 +206,8 @@ def summary(report: dict) -> str:
     if ls.get("applied") and not report["mode"] == "dry-run":
         lines.append(f"  fused norm+matmul config applied for the sections after: {ls['applied']}")
     tp = report["checks"].get("throughput", {})
-    for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step", "graphs_speculating"):
+    for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step", "graphs_speculating",
+                 "graphs_drafting_always"):
         b = tp.get("batch", {}).get(kind, {})
         if b:
             frac = b.get("roofline_fraction")

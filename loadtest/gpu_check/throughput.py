@@ -83,15 +83,17 @@ def _norm_linear_config() -> dict | None:
 
 
 def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth: float,
-                     overlap: bool | None = None, ahead: bool | None = None, speculative_tokens: int = 0) -> dict:
+                     overlap: bool | None = None, ahead: bool | None = None, speculative_tokens: int = 0,
+                     speculation_limit: int | None = None) -> dict:
     """`overlap`: make each step's outputs during the next step (`Engine.overlap_outputs`, forced on for the
     dry run on the CPU); False: `disable_async_output_proc`; None: the engine's default, on for a GPU.
     `ahead`: `async_scheduling` (each decode step queued behind the one before; True runs it on the CPU too);
-    None: the engine's default, on for a GPU without speculation. `speculative_tokens`: drafts per step (the
-    engine's default is 4; 0 here unless given)."""
+    None: the engine's default, on for a GPU without speculation or with a batch limit to it. `speculative_tokens`:
+    drafts per step (the engine's default is 4; 0 here unless given), `speculation_limit`: no drafts while more
+    requests run (None: the engine's default, with CUDA graphs the requests whose drafts fit the largest)."""
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=plan.batch,
                          speculative_tokens=speculative_tokens, in_step_outputs=overlap is False,
-                         async_scheduling=ahead)
+                         async_scheduling=ahead, speculation_limit=speculation_limit)
     by_default = engine.overlap_outputs
     if overlap:
         engine.overlap_outputs = True
@@ -106,6 +108,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
               "norm_linear_config": _norm_linear_config(), "num_speculative_tokens": speculative_tokens,
+              "speculative_disable_by_batch_size": engine.scheduler.config.speculative_disable_by_batch_size,
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:

@@ -90,9 +90,14 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
                                                         "graphs_outputs_in_step")] == [True, True, False, False]
-    spec = tp["batch"]["graphs_speculating"]  # the engine's default speculation: no batch limit, so in turn
-    assert spec["num_speculative_tokens"] == 4 and spec["async_scheduling"] is False
-    assert spec["output_tokens"] == spec["requests"] * spec["output_len"] and spec["draft_tokens"] >= spec["kept_drafts"] >= 0
+    # the engine's default speculation (on the CPU, whose engines capture no graphs, without a batch limit), and
+    # drafts at any batch
+    spec, always = tp["batch"]["graphs_speculating"], tp["batch"]["graphs_drafting_always"]
+    assert spec["num_speculative_tokens"] == always["num_speculative_tokens"] == 4
+    assert spec["speculative_disable_by_batch_size"] is None and always["speculative_disable_by_batch_size"] == 2
+    for b in (spec, always):
+        assert b["async_scheduling"] is False and b["output_tokens"] == b["requests"] * b["output_len"]
+        assert b["draft_tokens"] >= b["kept_drafts"] >= 0
     assert tp["batch"]["graphs"]["num_speculative_tokens"] == 0 and "draft_tokens" not in tp["batch"]["graphs"]
     assert tp["batch"]["graphs"]["decode_attention_config"] == sweep["default"]
     assert tp["batch"]["graphs"]["norm_linear_config"] == linear["default"]  # the dry run applies neither

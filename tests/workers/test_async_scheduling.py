@@ -236,11 +236,54 @@ def test_with_speculation_steps_run_ahead_above_the_batch_limit(tiny_model_dir):
 def test_async_scheduling_option(tiny_model_dir):
     from workers.config import EngineConfig
 
+    # num_speculative_tokens defaults to 4, with no batch limit where no CUDA graphs are captured
     with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
-        EngineConfig(async_scheduling=True)  # num_speculative_tokens defaults to 4, with no batch limit
+        EngineConfig(async_scheduling=True, device="cpu")
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        EngineConfig(async_scheduling=True, device="cuda", enforce_eager=True)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):  # known once the device is
+        Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
+               async_scheduling=True)
     assert EngineConfig(async_scheduling=True, speculative_disable_by_batch_size=8).async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(async_scheduling=True, num_speculative_tokens=0, tensor_parallel_size=2)
     e = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
                num_speculative_tokens=0, async_scheduling=True)
     assert e.async_scheduling
+
+
+def test_default_speculation_limit_keeps_drafting_steps_in_the_largest_graph(tiny_model_dir):
+    """By default, where decode steps replay CUDA graphs, no drafts while more requests run than the largest graph
+    holds with all their drafts (a step of more rows would run eagerly); no limit without graphs (the CPU) or
+    drafts, and a limit given is kept."""
+    from workers.config import EngineConfig, default_speculation_limit
+
+    config = EngineConfig(max_num_seqs=256)
+    assert config.num_speculative_tokens == 4 and config.speculative_disable_by_batch_size is None
+    assert default_speculation_limit(config, 256) == 51  # 51 requests x 5 rows fit 256, 52 do not
+    assert default_speculation_limit(config, None) is None
+    assert default_speculation_limit(EngineConfig(num_speculative_tokens=0), 256) is None
+    assert default_speculation_limit(EngineConfig(speculative_disable_by_batch_size=300), 256) == 300
+    assert default_speculation_limit(EngineConfig(num_speculative_tokens=4, max_num_seqs=2), 2) == 1
+    e = Engine(model=tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB")
+    assert e.runner.graphs is None and e.scheduler.config.speculative_disable_by_batch_size is None
+
+
+def test_an_engine_with_decode_graphs_limits_speculation_to_the_largest_graph(tiny_model_dir, monkeypatch):
+    """The engine resolves the limit from the graphs its runner captured (here replayed eagerly on the CPU,
+    with the Triton backend under the interpreter, as a GPU's would be)."""
+    from workers import engine as engine_module
+    from workers.cuda_graphs import eager_capture
+
+    make_runner = engine_module.make_runner
+
+    def with_graphs(model, attn, config, num_blocks, dtype, device, max_model_len, structured=None):
+        runner = make_runner(model, attn, config, num_blocks, dtype, device, max_model_len, structured)
+        runner.enable_decode_graphs(config.max_num_seqs, max_model_len, capture=eager_capture)
+        return runner
+
+    monkeypatch.setattr(engine_module, "make_runner", with_graphs)
+    e = Engine(model=tiny_model_dir, dtype="float32", attention_backend="triton", kv_cache_memory="16MiB",
+               max_num_seqs=10, num_speculative_tokens=3)
+    assert e.runner.graphs.sizes[-1] == 10 and e.scheduler.config.speculative_disable_by_batch_size == 2
+    assert not e.async_scheduling  # the CPU: async scheduling is a GPU's default
