@@ -42,17 +42,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class _CompileClock:
+    """Triton's compilations while it is installed (`knobs.compilation.listener`): how many kernels were compiled
+    (not found in the cache) and the seconds they took, by kernel, so a lease knows what its JIT costs it."""
+
+    def __init__(self) -> None:
+        self.by_kernel: dict[str, list] = {}
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            return
+        name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
+        seconds = (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+        entry = self.by_kernel.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def __enter__(self) -> "_CompileClock":
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        self._knobs, self._before = knobs, knobs.compilation.listener
+        knobs.compilation.listener = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if hasattr(self, "_knobs"):
+            self._knobs.compilation.listener = self._before
+
+    def report(self) -> dict:
+        return {"compiled": sum(n for n, _ in self.by_kernel.values()),
+                "seconds": round(sum(t for _, t in self.by_kernel.values()), 2),
+                "by_kernel": {k: {"compiled": n, "seconds": round(t, 2)} for k, (n, t) in sorted(self.by_kernel.items())}}
+
+
 def _section(name: str, fn: Callable[[], dict], results: dict, on_done: Callable[[], None] | None = None) -> None:
     start = time.perf_counter()
     print(f"[gpu_check] {name} ...", flush=True)
-    try:
-        data = fn()
-        status = data.pop("status", None) or ("passed" if data.get("passed") else "failed")
-    except Exception as e:
-        data, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, "error"
-    data = {"status": status, **data, "elapsed_s": round(time.perf_counter() - start, 2)}
+    with _CompileClock() as clock:
+        try:
+            data = fn()
+            status = data.pop("status", None) or ("passed" if data.get("passed") else "failed")
+        except Exception as e:
+            data, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, "error"
+    data = {"status": status, **data, "elapsed_s": round(time.perf_counter() - start, 2),
+            "triton_compiles": clock.report()}
     results[name] = data
-    print(f"[gpu_check] {name}: {status} ({data['elapsed_s']} s)", flush=True)
+    compiles = data["triton_compiles"]
+    print(f"[gpu_check] {name}: {status} ({data['elapsed_s']} s; {compiles['compiled']} Triton kernels compiled in "
+          f"{compiles['seconds']} s)", flush=True)
     if on_done is not None:
         on_done()
 
@@ -183,6 +222,10 @@ def summary(report: dict) -> str:
     for name, data in report["checks"].items():
         extra = data.get("reason") or data.get("error") or ""
         lines.append(f"  {name:26s} {data['status']:8s} {extra}".rstrip())
+    compiles = [d["triton_compiles"] for d in report["checks"].values() if "triton_compiles" in d]
+    if compiles:
+        lines.append(f"  Triton's JIT: {sum(c['compiled'] for c in compiles)} kernels compiled in "
+                     f"{sum(c['seconds'] for c in compiles):.1f} s")
     sw = report["checks"].get("attention_sweep", {})
     for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
         c = row["config"]

@@ -143,3 +143,30 @@ def test_separate_kernels_keeps_the_fused_norm_and_matmul_off(tmp_path):
     assert checks["linear_sweep"] == {"status": "skipped", "reason": "--separate-kernels"}
     assert checks["throughput"]["status"] == "passed"
     assert all(b["norm_linear_config"] is None for b in checks["throughput"]["batch"].values())
+
+
+COMPILE_CLOCK = """
+import json, torch
+from kernels.triton_aot import compile_variant
+from loadtest.gpu_check.run import _CompileClock
+from workers.kernel_variants import engine_variants
+
+variant, kernel = next((v, k) for v, k in engine_variants(("tiny",), (torch.float32,)).items()
+                       if v.name == "_rms_norm_kernel")
+with _CompileClock() as clock:
+    compile_variant(kernel, variant, 90)
+    compile_variant(kernel, variant, 90)  # found in the cache: not counted
+print(json.dumps(clock.report()))
+"""
+
+
+def test_sections_count_the_triton_kernels_they_compile(tmp_path):
+    """Each section reports the Triton compilations it waited for (a lease's JIT time), cache hits excluded."""
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_CLOCK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["compiled"] == 1 and report["seconds"] > 0
+    assert list(report["by_kernel"]) == ["_rms_norm_kernel"]
