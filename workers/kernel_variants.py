@@ -29,10 +29,12 @@ from kernels.triton_layer_ops import TritonLayerOps
 from workers.models.llama import LlamaForCausalLM, ModelArgs
 
 # (hidden, heads, KV heads, head_dim, intermediate, qkv bias): SmolLM2-135M (the default model), Llama-3.2-1B,
-# Llama-3-8B, Llama-2-7B (no grouped heads), Qwen2-0.5B (a bias on qkv), and a tiny test model's
+# Llama-3-8B, Llama-2-7B (no grouped heads), Qwen2-0.5B (a bias on qkv), one KV head (an integer 1, which the
+# JIT compiles as a constant), and a tiny test model's
 SHAPES = {"smollm2-135m": (576, 9, 3, 64, 1536, False), "llama-3.2-1b": (2048, 32, 8, 64, 8192, False),
           "llama-3-8b": (4096, 32, 8, 128, 14336, False), "llama-2-7b": (4096, 32, 32, 128, 11008, False),
-          "qwen2-0.5b": (896, 14, 2, 64, 4864, True), "tiny": (64, 4, 2, 32, 128, False)}
+          "qwen2-0.5b": (896, 14, 2, 64, 4864, True), "mqa": (2048, 16, 1, 128, 5632, False),
+          "tiny": (64, 4, 2, 32, 128, False)}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_SIZE = 16  # the engine's default
 MAX_MODEL_LEN = 4096
