@@ -79,6 +79,23 @@ def specialize(kernel, args: tuple, kwargs: dict) -> Variant:
     return Variant(kernel.fn.__name__, tuple(signature), tuple(constexprs), tuple(attrs), options)
 
 
+def normalized(variant: Variant) -> Variant:
+    """`variant` with only its warps and pipeline stages for options, Triton's defaults (4, 3) where its launch
+    gave none: the form `compiled_variant` reads from a compiled kernel."""
+    options = dict(variant.options)
+    return dataclasses.replace(variant, options=(("num_stages", options.get("num_stages", 3)),
+                                                 ("num_warps", options.get("num_warps", 4))))
+
+
+def compiled_variant(src, metadata: dict) -> Variant:
+    """The (normalized) variant a compilation was of, from what Triton's compilation listener
+    (`knobs.compilation.listener`) is given: the `ASTSource` and the compiled kernel's metadata."""
+    attrs = tuple(sorted((k[0], d) for k, specs in src.attrs.items() for name, d in specs if name == "tt.divisibility"))
+    constexprs = tuple(sorted((k[0], v) for k, v in src.constants.items()))
+    return Variant(src.fn.__name__, tuple(src.signature.items()), constexprs, attrs,
+                   (("num_stages", metadata["num_stages"]), ("num_warps", metadata["num_warps"])))
+
+
 @contextlib.contextmanager
 def record() -> Iterator[dict[Variant, Any]]:
     """Within it, every Triton kernel launch is recorded (variant -> kernel, in first-launch order) and not run."""

@@ -42,14 +42,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# the kernel variants Triton's JIT compiled (or found in its cache) in each section, for `aot_fidelity`
+JIT_VARIANTS: dict[str, set] = {}
+
+
 class _CompileClock:
     """Triton's compilations while it is installed (`knobs.compilation.listener`): how many kernels were compiled
-    (not found in the cache) and the seconds they took, by kernel, so a lease knows what its JIT costs it."""
+    (not found in the cache) and the seconds they took, by kernel, so a lease knows what its JIT costs it; and
+    every variant compiled or found (`kernels.triton_aot.compiled_variant`)."""
 
     def __init__(self) -> None:
         self.by_kernel: dict[str, list] = {}
+        self.variants: set = set()
 
     def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        try:
+            from kernels.triton_aot import compiled_variant
+
+            self.variants.add(compiled_variant(src, metadata))
+        except Exception:  # a listener must not break a launch
+            pass
         if cache_hit:
             return
         name = getattr(getattr(src, "fn", None), "__name__", None) or str(metadata.get("name", "?"))
@@ -72,7 +84,7 @@ class _CompileClock:
             self._knobs.compilation.listener = self._before
 
     def report(self) -> dict:
-        return {"compiled": sum(n for n, _ in self.by_kernel.values()),
+        return {"compiled": sum(n for n, _ in self.by_kernel.values()), "variants_seen": len(self.variants),
                 "seconds": round(sum(t for _, t in self.by_kernel.values()), 2),
                 "by_kernel": {k: {"compiled": n, "seconds": round(t, 2)} for k, (n, t) in sorted(self.by_kernel.items())}}
 
@@ -88,6 +100,7 @@ def _section(name: str, fn: Callable[[], dict], results: dict, on_done: Callable
             data, status = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}, "error"
     data = {"status": status, **data, "elapsed_s": round(time.perf_counter() - start, 2),
             "triton_compiles": clock.report()}
+    JIT_VARIANTS[name] = clock.variants
     results[name] = data
     compiles = data["triton_compiles"]
     print(f"[gpu_check] {name}: {status} ({data['elapsed_s']} s; {compiles['compiled']} Triton kernels compiled in "
@@ -160,8 +173,28 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 
 SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "attention_sweep", "linear_sweep", "throughput", "decode_profile", "pd_handoff",
+            "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput", "decode_profile", "pd_handoff",
             "tensor_parallel")
+
+
+# the sections whose engines launch the kernels with their default configs (before the sweeps change them)
+ENGINE_SECTIONS = ("greedy_cpu_vs_device", "greedy_graphs_on_vs_off", "greedy_speculative_vs_plain")
+
+
+def aot_fidelity(sections: tuple[str, ...]) -> dict:
+    """Whether CI's ahead-of-time compile (`workers/kernel_variants.py`) covers what this GPU's JIT compiled: every
+    variant the engines of `sections` launched (SmolLM2-135M's shape, float32 and bfloat16) must be among those
+    the recording gives for that shape, as Triton's JIT specialized it here."""
+    import torch
+
+    from kernels.triton_aot import normalized
+    from workers.kernel_variants import engine_variants
+
+    seen = set().union(*(JIT_VARIANTS.get(s, set()) for s in sections))
+    recorded = {normalized(v) for v in engine_variants(("smollm2-135m",), (torch.float32, torch.bfloat16))}
+    missing = sorted(v.label() for v in seen - recorded)
+    return {"passed": bool(seen) and not missing, "jit_variants": len(seen), "recorded_variants": len(recorded),
+            "missing": missing[:20], "missing_count": len(missing), "sections": list(sections)}
 
 
 def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = None,
@@ -206,6 +239,8 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab))
     section("greedy_graphs_on_vs_off", lambda: greedy_parity.graphs_on_vs_off(plan, model, vocab))
     section("greedy_speculative_vs_plain", lambda: greedy_parity.speculative_vs_plain(plan, model, vocab))
+    section("aot_fidelity", lambda: aot_fidelity(ENGINE_SECTIONS),
+            "dry run: Triton's interpreter compiles nothing" if plan.dry_run else None)
     section("attention_sweep", lambda: attention_sweep.sweep(plan))
     section("linear_sweep", lambda: linear_sweep.sweep(plan), "--separate-kernels" if separate_kernels else None)
     section("throughput", lambda: throughput(plan, model, vocab))
@@ -226,6 +261,10 @@ def summary(report: dict) -> str:
     if compiles:
         lines.append(f"  Triton's JIT: {sum(c['compiled'] for c in compiles)} kernels compiled in "
                      f"{sum(c['seconds'] for c in compiles):.1f} s")
+    aot = report["checks"].get("aot_fidelity", {})
+    if "jit_variants" in aot:
+        lines.append(f"  AOT fidelity: {aot['jit_variants']} variants compiled by the JIT, {aot['missing_count']} of "
+                     f"them not among the {aot['recorded_variants']} recorded for CI")
     sw = report["checks"].get("attention_sweep", {})
     for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
         c = row["config"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "attention_sweep", "linear_sweep", "throughput", "decode_profile",
-            "pd_handoff", "tensor_parallel"]
+            "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
+            "decode_profile", "pd_handoff", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
@@ -112,6 +112,7 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
         pd["status"] == "skipped" and pd["reason"].startswith("cuda_ipc transport not available"))
     assert checks["tensor_parallel"]["status"] == "skipped"
     assert checks["tensor_parallel"]["reason"].startswith("dry run")
+    assert checks["aot_fidelity"]["status"] == "skipped" and checks["aot_fidelity"]["reason"].startswith("dry run")
     assert "ALL PASSED" in proc.stdout
 
 
@@ -170,3 +171,42 @@ def test_sections_count_the_triton_kernels_they_compile(tmp_path):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["compiled"] == 1 and report["seconds"] > 0
     assert list(report["by_kernel"]) == ["_rms_norm_kernel"]
+    assert report["variants_seen"] == 1  # the hit too
+
+
+AOT_FIDELITY = """
+import json, torch
+from kernels.triton_aot import compile_variant
+from loadtest.gpu_check import run
+from workers.kernel_variants import engine_variants
+
+# a section whose launches compile two of the shape's variants, and one the recording does not give (another
+# tile height of the fused kernel)
+recorded = [(v, k) for v, k in engine_variants(("smollm2-135m",), (torch.bfloat16,)).items()
+            if v.name == "_norm_linear_kernel"]
+with run._CompileClock() as clock:
+    for v, k in recorded[:2]:
+        compile_variant(k, v, 90)
+run.JIT_VARIANTS["a"] = clock.variants
+good = run.aot_fidelity(("a",))
+v, k = recorded[0]
+names = [n for n, _ in v.signature]
+consts = tuple((i, 128 if names[i] == "BLOCK_M" else c) for i, c in v.constexprs)
+with run._CompileClock() as clock:
+    compile_variant(k, v.__class__(v.name, v.signature, consts, v.attrs, v.options), 90)
+run.JIT_VARIANTS["b"] = clock.variants
+bad = run.aot_fidelity(("a", "b"))
+print(json.dumps({"good": good, "bad": bad}))
+"""
+
+
+def test_aot_fidelity_finds_a_jit_variant_the_recording_misses(tmp_path):
+    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, "-c", AOT_FIDELITY], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["good"]["passed"] and out["good"]["jit_variants"] == 2 and not out["good"]["missing"]
+    assert not out["bad"]["passed"] and out["bad"]["missing_count"] == 1
+    assert "BLOCK_M=128" in out["bad"]["missing"][0]
