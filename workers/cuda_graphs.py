@@ -88,6 +88,7 @@ class DecodeGraphs:
         # every row samples: the logits rows of a step of `size` are rows[:size]
         self.rows = torch.arange(max_batch, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.copied = 0  # elements of the last step's host-to-device copy
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         d = self._dev
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
@@ -139,7 +140,10 @@ class DecodeGraphs:
         h.block_tables[:n, width:] = 0
         h.query_start_loc[:n + 1] = common.query_start_loc
         self._pad(n, size)
-        self._dev.flat.copy_(h.flat, non_blocking=True)
+        # the step's inputs and the block-table rows of its graph's size: a prefix of the buffer (all of it,
+        # 1 MB at 256 rows of 512 blocks, was copied for every step, one row's included)
+        self.copied = 5 * self._dev.input_ids.shape[0] + 1 + size * self.max_blocks
+        self._dev.flat[:self.copied].copy_(h.flat[:self.copied], non_blocking=True)
         if device_ids is not None:
             self._dev.input_ids[:n].copy_(device_ids)
         replay, logits = self._graphs[size]

@@ -142,6 +142,13 @@ def test_graph_padding_rows_write_nowhere_and_see_one_key():
     assert m["seq_lens"].tolist() == [5, 9, 2, 1]
     assert m["qsl"].tolist() == [0, 1, 2, 3, 4]
     assert m["tables"].tolist() == [[7, 8, 0], [3, 4, 0], [6, 0, 0], [0, 0, 0]]
+    assert graphs.copied == graphs._dev.flat.numel()  # the largest graph: every row of the buffers
+    one = CommonAttentionMetadata(torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([6]), torch.tensor([[5, 2]]),
+                                  torch.tensor([21]), 4, 2, 1)
+    graphs.run(torch.tensor([14]), torch.tensor([5]), one)
+    m = seen[1]  # a one-row step copies the inputs and one row of block table, not the other rows
+    assert graphs.copied == 5 * 4 + 1 + 3
+    assert m["slot"].tolist() == [21] and m["seq_lens"].tolist() == [6] and m["tables"].tolist() == [[5, 2, 0]]
     wide = CommonAttentionMetadata(torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([20]),
                                    torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([70]), 4, 2, 1)
     assert not graphs.supports(wide)  # a block table wider than the captured buffers runs eagerly
