@@ -86,7 +86,8 @@ class _CompileClock:
     def report(self) -> dict:
         return {"compiled": sum(n for n, _ in self.by_kernel.values()), "variants_seen": len(self.variants),
                 "seconds": round(sum(t for _, t in self.by_kernel.values()), 2),
-                "by_kernel": {k: {"compiled": n, "seconds": round(t, 2)} for k, (n, t) in sorted(self.by_kernel.items())}}
+                "by_kernel": {k: {"compiled": n, "seconds": round(t, 2)}
+                              for k, (n, t) in sorted(self.by_kernel.items())}}
 
 
 def _section(name: str, fn: Callable[[], dict], results: dict, on_done: Callable[[], None] | None = None) -> None:
@@ -173,8 +174,8 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 
 SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
-            "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput", "decode_profile", "pd_handoff",
-            "tensor_parallel")
+            "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
+            "decode_profile", "pd_handoff", "tensor_parallel")
 
 
 # the sections whose engines launch the kernels with their default configs (before the sweeps change them)

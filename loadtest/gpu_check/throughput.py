@@ -104,7 +104,8 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
     steps = run.pop("decode_steps")
     if speculative_tokens:
-        run |= {"draft_tokens": sched.num_draft_tokens - drafted[0], "kept_drafts": sched.num_accepted_tokens - drafted[1]}
+        run |= {"draft_tokens": sched.num_draft_tokens - drafted[0],
+                "kept_drafts": sched.num_accepted_tokens - drafted[1]}
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
               "norm_linear_config": _norm_linear_config(), "num_speculative_tokens": speculative_tokens,

@@ -161,14 +161,19 @@ print(json.dumps(clock.report()))
 """
 
 
-def test_sections_count_the_triton_kernels_they_compile(tmp_path):
-    """Each section reports the Triton compilations it waited for (a lease's JIT time), cache hits excluded."""
+def _compiling(script: str, tmp_path) -> dict:
+    """`script`'s last line of output, as JSON, run without Triton's interpreter and with a cache of its own."""
     env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_CLOCK], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sections_count_the_triton_kernels_they_compile(tmp_path):
+    """Each section reports the Triton compilations it waited for (a lease's JIT time), cache hits excluded."""
+    report = _compiling(COMPILE_CLOCK, tmp_path)
     assert report["compiled"] == 1 and report["seconds"] > 0
     assert list(report["by_kernel"]) == ["_rms_norm_kernel"]
     assert report["variants_seen"] == 1  # the hit too
@@ -201,12 +206,7 @@ print(json.dumps({"good": good, "bad": bad}))
 
 
 def test_aot_fidelity_finds_a_jit_variant_the_recording_misses(tmp_path):
-    env = {k: v for k, v in _env().items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    proc = subprocess.run([sys.executable, "-c", AOT_FIDELITY], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _compiling(AOT_FIDELITY, tmp_path)
     assert out["good"]["passed"] and out["good"]["jit_variants"] == 2 and not out["good"]["missing"]
     assert not out["bad"]["passed"] and out["bad"]["missing_count"] == 1
     assert "BLOCK_M=128" in out["bad"]["missing"][0]
