@@ -68,7 +68,7 @@ def specialize(kernel, args: tuple, kwargs: dict) -> Variant:
             signature.append((p.name, "constexpr"))
             constexprs.append((i, value))
             continue
-        kind, key = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+        kind, key = native_specialize_impl(BaseBackend, value, p.is_const, not p.do_not_specialize,
                                            not p.do_not_specialize_on_alignment)
         signature.append((p.name, kind))
         if kind == "constexpr":  # an integer 1
@@ -114,16 +114,43 @@ def record() -> Iterator[dict[Variant, Any]]:
         JITFunction.run = original
 
 
-def compile_variant(kernel, variant: Variant, arch: int):
-    """Triton's compiled kernel of `variant` for compute capability `arch`."""
-    import triton
+def jit_source(kernel, variant: Variant, arch: int) -> tuple[Any, Any, Any]:
+    """(source, options, target) of `variant` as the JIT's launch builds them: the specialization the JIT's binder
+    gives (each argument's type and "D" or "", a constexpr's value) through the JIT's own `_pack_args`, and the
+    options with the debug and instrumentation settings a launch adds. Compiled from these, a kernel lands in
+    Triton's cache under the key the JIT looks up on a GPU of that `arch` with the same Triton."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
 
-    source = ASTSource(fn=kernel, signature=dict(variant.signature),
-                       constexprs={(i,): v for i, v in variant.constexprs},
-                       attrs={(i,): [["tt.divisibility", d]] for i, d in variant.attrs})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(variant.options))
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    constexprs, aligned = dict(variant.constexprs), {i for i, _ in variant.attrs}
+    specialization, bound = [], {}
+    for i, (name, kind) in enumerate(variant.signature):
+        if kind == "constexpr":
+            specialization.append(("constexpr", constexprs[i]))
+            bound[name] = constexprs[i]
+        else:
+            # floats and bools are not specialized; integers and pointers are divisible by 16 ("D") or not
+            specialization.append((kind, None if kind.startswith(("fp", "bf")) or kind == "u1" else
+                                   "D" if i in aligned else ""))
+            bound[name] = None
+    kwargs = dict(variant.options, debug=knobs.runtime.debug or False,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    kwargs.update({name: constexprs[i] for i, (name, kind) in enumerate(variant.signature)
+                   if kind == "constexpr" and kernel.params[i].is_constexpr})
+    options, signature, consts, attrs = kernel._pack_args(backend, kwargs, bound, specialization, kwargs)
+    return ASTSource(kernel, signature, consts, attrs), options, target
+
+
+def compile_variant(kernel, variant: Variant, arch: int):
+    """Triton's compiled kernel of `variant` for compute capability `arch` (see `jit_source`)."""
+    import triton
+
+    source, options, target = jit_source(kernel, variant, arch)
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def ptxas_resources(ptx: str, arch: int) -> dict:

@@ -81,6 +81,12 @@ def _configs(decode: triton_attention.LaunchConfig, linear: triton_linear.Linear
         triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG = saved
 
 
+def _meta_caches(model: LlamaForCausalLM, dtype: torch.dtype) -> list:
+    a = model.args
+    cache = torch.empty(a.num_layers, 2, 1024, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=dtype, device="meta")
+    return [(cache[i, 0], cache[i, 1]) for i in range(a.num_layers)]
+
+
 def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES),
                     dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[Variant, Any]:
     """The variants the engine's steps launch (see the module docstring), in first-launch order."""
@@ -93,10 +99,7 @@ def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES),
         for shape in shapes:
             for dtype in dtypes:
                 model = _model(shape, dtype)
-                a = model.args
-                cache = torch.empty(a.num_layers, 2, 1024, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=dtype,
-                                    device="meta")
-                caches = [(cache[i, 0], cache[i, 1]) for i in range(a.num_layers)]
+                caches = _meta_caches(model, dtype)
                 with _configs(decode, linear):
                     for n, width in DECODE_STEPS:
                         _step(model, attn, caches, [1] * n, width)
@@ -108,12 +111,29 @@ def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES),
     return seen
 
 
+def config_variants(shape: str, dtype: torch.dtype, configs: list[tuple],
+                    steps: tuple = DECODE_STEPS) -> dict[Variant, Any]:
+    """The variants decode steps of `shape` (sequences, block-table width) launch under each of `configs`, pairs
+    of a decode attention `LaunchConfig` and a fused norm-and-matmul `LinearConfig` (or None): what a sweep over
+    them compiles."""
+    attn = TritonPagedAttention("meta")
+    model = _model(shape, dtype)
+    caches = _meta_caches(model, dtype)
+    with record() as seen:
+        for config in configs:
+            with _configs(*config):
+                for n, width in steps:
+                    _step(model, attn, caches, [1] * n, width)
+    return seen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90: H100/H200)")
     parser.add_argument("--resources", action="store_true",
                         help="also each variant's shared memory, registers and spills (default: counts only)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"model shapes (default: all of {', '.join(SHAPES)})")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help=f"model shapes (default: all of {', '.join(SHAPES)})")
     args = parser.parse_args(argv)
     shapes = tuple(s for s in args.shapes.split(",") if s)
     unknown = [s for s in shapes if s not in SHAPES]

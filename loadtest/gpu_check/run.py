@@ -173,7 +173,7 @@ def throughput(plan, model: str, vocab: int) -> dict:
             "batch1_graphs_over_eager": speedup}
 
 
-SECTIONS = ("environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
+SECTIONS = ("triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
             "decode_profile", "pd_handoff", "tensor_parallel")
 
@@ -210,7 +210,8 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, tensor_parallel
+    from loadtest.gpu_check import (attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, tensor_parallel,
+                                    warmup)
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -235,6 +236,8 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
         else:
             _section(name, fn, results, done)
 
+    section("triton_warmup", warmup.warm_triton_cache,
+            "dry run: Triton's interpreter compiles nothing" if plan.dry_run else None)
     section("environment", environment)
     section("kernel_parity", lambda: check_kernels(device, plan.kernel_heads, plan.kernel_batch, TOLERANCE))
     section("greedy_cpu_vs_device", lambda: greedy_parity.cpu_vs_device(plan, model, vocab))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
+SECTIONS = ["triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
             "decode_profile", "pd_handoff", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
@@ -113,6 +113,7 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert checks["tensor_parallel"]["status"] == "skipped"
     assert checks["tensor_parallel"]["reason"].startswith("dry run")
     assert checks["aot_fidelity"]["status"] == "skipped" and checks["aot_fidelity"]["reason"].startswith("dry run")
+    assert checks["triton_warmup"]["status"] == "skipped" and checks["triton_warmup"]["reason"].startswith("dry run")
     assert "ALL PASSED" in proc.stdout
 
 
@@ -210,3 +211,18 @@ def test_aot_fidelity_finds_a_jit_variant_the_recording_misses(tmp_path):
     assert out["good"]["passed"] and out["good"]["jit_variants"] == 2 and not out["good"]["missing"]
     assert not out["bad"]["passed"] and out["bad"]["missing_count"] == 1
     assert "BLOCK_M=128" in out["bad"]["missing"][0]
+
+
+WARMUP = """
+import json
+from loadtest.gpu_check.warmup import warm_triton_cache
+print(json.dumps(warm_triton_cache(arch=90, jobs=2, sweeps=False)))
+"""
+
+
+def test_the_warmup_compiles_what_the_engine_sections_launch(tmp_path):
+    """The check's first section fills Triton's cache, in parallel, with the variants the engine sections launch
+    (their keys are the JIT's: tests/workers/test_kernel_variants.py)."""
+    report = _compiling(WARMUP, tmp_path)
+    assert report["passed"] and report["arch"] == 90 and report["compiled"] == report["variants"] > 40
+    assert any((tmp_path / "cache").iterdir())

@@ -106,3 +106,60 @@ def test_variants_are_specialized_as_the_jit_does(tmp_path):
     assert out["decode_constexprs"]["num_splits"] == 1 and out["decode_constexprs"]["ONE_QUERY"] is True
     assert out["pipelined"]
     assert set(out["kernels"]) == KERNELS
+
+
+SAME_KEY = textwrap.dedent("""
+    import json
+    import torch
+    from triton import knobs
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, make_backend
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+    from kernels.triton_aot import jit_source, specialize
+    from kernels.triton_attention import TritonPagedAttention
+    from workers.kernel_variants import BLOCK_SIZE, _model, _step
+
+    launches = []
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
+    model = _model("qwen2-0.5b", torch.bfloat16)
+    a = model.args
+    cache = torch.empty(2, 2, 64, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16, device="meta")
+    caches = [(cache[i, 0], cache[i, 1]) for i in range(2)]
+    attn = TritonPagedAttention("meta")
+    for new_tokens, width in (([1] * 256, 256), ([1], 3), ([17, 1, 1], 7), ([600], 40)):
+        _step(model, attn, caches, new_tokens, width)
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    env = get_cache_invalidating_env_vars()
+
+    def key(src, options):
+        return get_cache_key(src, backend, backend.parse_options(dict(options.__dict__)), env)
+
+    same, different = 0, []
+    for kernel, args, kwargs in launches:
+        # what a launch does on a GPU (JITFunction.run): its binder, then _pack_args
+        kw = dict(kwargs, debug=knobs.runtime.debug or False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*args, **kw)
+        options, signature, consts, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
+        jit = key(ASTSource(kernel, signature, consts, attrs), options)
+        src, options, _ = jit_source(kernel, specialize(kernel, args, kwargs), 90)
+        if key(src, options) == jit:
+            same += 1
+        else:
+            different.append(kernel.fn.__name__)
+    print(json.dumps({"launches": len(launches), "same": same, "different": different}))
+""")
+
+
+def test_compiled_variants_land_under_the_key_the_jit_looks_up(tmp_path):
+    """Compiled from a recorded variant (`jit_source`), a kernel goes into Triton's cache under the key a launch
+    of the same call computes through the JIT's own binder and `_pack_args`: on a GPU with the same Triton the
+    JIT finds it there instead of compiling it."""
+    script = tmp_path / "same_key.py"
+    script.write_text(SAME_KEY)
+    proc = _run([str(script)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["launches"] > 20 and out["same"] == out["launches"] and not out["different"]

@@ -1,0 +1,51 @@
+"""Triton's cache filled before the check's sections launch their kernels: the variants they will launch, compiled
+in parallel on the GPU machine's CPUs (`kernels.triton_aot.compile_variants`), where each launch's JIT would
+compile them one after another.
+
+A variant compiled from the recording (`workers/kernel_variants.py`) goes into the cache under the key a launch of
+the same call computes (tested in tests/workers/test_kernel_variants.py), so the sections' launches find them;
+`triton_compiles` in each section's report then says how many they still compiled. Covered: the engine's steps
+at SmolLM2-135M's shape in float32 and bfloat16 with the default configs, and the batch-256 and one-row decode
+steps under every config the two sweeps time. Not covered: the kernel-parity cases' other shapes and block sizes.
+Runs before anything initializes CUDA in this process (its workers are forked)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+
+import torch
+
+
+def gpu_arch() -> int:
+    """The first GPU's compute capability as Triton names its target (90 for an H200), from nvidia-smi, without
+    initializing CUDA here (the compile workers are forked)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30).stdout.split()
+    major, minor = out[0].split(".")
+    return int(major) * 10 + int(minor)
+
+
+def warm_triton_cache(arch: int | None = None, jobs: int | None = None, sweeps: bool = True) -> dict:
+    """Compile the variants (see the module docstring) for `arch` (default: this machine's GPU) in `jobs`
+    processes (default: one per CPU); `sweeps=False` leaves out the sweep configs'."""
+    from kernels import triton_attention, triton_linear
+    from kernels.triton_aot import compile_variants
+    from loadtest.gpu_check.attention_sweep import EXTRA, GRID
+    from loadtest.gpu_check.linear_sweep import _grid
+    from workers.kernel_variants import config_variants, engine_variants
+
+    arch = arch or gpu_arch()
+    decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
+    attention = [triton_attention.LaunchConfig(*v) for v in itertools.product(*GRID.values())]
+    attention += [triton_attention.LaunchConfig(*v) for v in EXTRA]
+    configs = [(a, linear) for a in attention] + [(decode, c) for c in _grid(False)] if sweeps else []
+    variants = engine_variants(("smollm2-135m",), (torch.float32, torch.bfloat16))
+    # the engine's graphs (block tables 64 wide at the check's 1,024 tokens) and the sweep's own inputs (as wide
+    # as a sequence's blocks)
+    steps = ((256, 64), (256, 17), (1, 64), (1, 17))
+    for variant, kernel in config_variants("smollm2-135m", torch.bfloat16, configs, steps).items():
+        variants.setdefault(variant, kernel)
+    report = compile_variants(variants, arch, jobs=jobs or os.cpu_count())
+    return {"passed": not report["failed"], "arch": arch, "variants": len(variants), **report}
