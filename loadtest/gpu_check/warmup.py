@@ -7,36 +7,40 @@ the same call computes (tested in tests/workers/test_kernel_variants.py), so the
 `triton_compiles` in each section's report then says how many they still compiled. Covered: the engine's steps
 at SmolLM2-135M's shape in float32 and bfloat16 with the default configs, and the batch-256 and one-row decode
 steps under every config the two sweeps time. Not covered: the kernel-parity cases' other shapes and block sizes.
-Runs before anything initializes CUDA in this process (its workers are forked)."""
+The compiles run in a process of their own with a time limit (`python -m loadtest.gpu_check.warmup`): a hung
+compile costs the check that limit, not the lease."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
 import os
 import subprocess
+import sys
 
-import torch
+WARMUP_TIMEOUT_S = 150
 
 
 def gpu_arch() -> int:
-    """The first GPU's compute capability as Triton names its target (90 for an H200), from nvidia-smi, without
-    initializing CUDA here (the compile workers are forked)."""
+    """The first GPU's compute capability as Triton names its target (90 for an H200), from nvidia-smi."""
     out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
                          text=True, timeout=30).stdout.split()
     major, minor = out[0].split(".")
     return int(major) * 10 + int(minor)
 
 
-def warm_triton_cache(arch: int | None = None, jobs: int | None = None, sweeps: bool = True) -> dict:
-    """Compile the variants (see the module docstring) for `arch` (default: this machine's GPU) in `jobs`
-    processes (default: one per CPU); `sweeps=False` leaves out the sweep configs'."""
+def compile_for_the_check(arch: int, jobs: int | None, sweeps: bool) -> dict:
+    """Compile the variants (see the module docstring) for `arch` in `jobs` processes (default: one per CPU);
+    `sweeps=False` leaves out the sweep configs'."""
+    import torch
+
     from kernels import triton_attention, triton_linear
     from kernels.triton_aot import compile_variants
     from loadtest.gpu_check.attention_sweep import EXTRA, GRID
     from loadtest.gpu_check.linear_sweep import _grid
     from workers.kernel_variants import config_variants, engine_variants
 
-    arch = arch or gpu_arch()
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
     attention = [triton_attention.LaunchConfig(*v) for v in itertools.product(*GRID.values())]
     attention += [triton_attention.LaunchConfig(*v) for v in EXTRA]
@@ -49,3 +53,35 @@ def warm_triton_cache(arch: int | None = None, jobs: int | None = None, sweeps: 
         variants.setdefault(variant, kernel)
     report = compile_variants(variants, arch, jobs=jobs or os.cpu_count())
     return {"passed": not report["failed"], "arch": arch, "variants": len(variants), **report}
+
+
+def warm_triton_cache(arch: int | None = None, jobs: int | None = None, sweeps: bool = True,
+                      timeout_s: float = WARMUP_TIMEOUT_S) -> dict:
+    """`compile_for_the_check` in a process of its own, stopped after `timeout_s`; its report."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "loadtest.gpu_check.warmup", "--arch", str(arch or gpu_arch())]
+    cmd += ["--jobs", str(jobs)] if jobs else []
+    cmd += [] if sweeps else ["--no-sweeps"]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"passed": False, "error": f"the warm-up did not finish within {timeout_s:.0f} s"}
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
+        return {"passed": False, "error": f"the warm-up exited {proc.returncode}: {proc.stderr[-2000:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.gpu_check.warmup", description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, required=True, help="CUDA compute capability, e.g. 90 (no default)")
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU)")
+    p.add_argument("--no-sweeps", dest="sweeps", action="store_false",
+                   help="leave out the sweep configs' variants (default: in)")
+    args = p.parse_args(argv)
+    report = compile_for_the_check(args.arch, args.jobs, args.sweeps)
+    print(json.dumps(report))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

