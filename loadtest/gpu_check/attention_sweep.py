@@ -77,6 +77,15 @@ def time_calls(fn, device: torch.device, repeats: int) -> float:
     return (time.perf_counter() - start_s) / repeats
 
 
+def sweep_configs(dry_run: bool) -> list:
+    """The launch configs the sweep times (besides the default): the grid, then the extras."""
+    from kernels.triton_attention import LaunchConfig
+
+    grid = GRID_DRY if dry_run else GRID
+    return ([LaunchConfig(*values) for values in itertools.product(*grid.values())]
+            + [LaunchConfig(*values) for values in (EXTRA_DRY if dry_run else EXTRA)])
+
+
 def sweep(plan: Plan, repeats: int = 50) -> dict:
     """Each config of the grid: seconds per launch, bytes per second, and its largest difference from the
     default config's output. Applies the fastest (see the module docstring)."""
@@ -95,9 +104,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
                                   x["query_start_loc"], scale, config)
 
     reference = launch(default).float()
-    grid = GRID_DRY if plan.dry_run else GRID
-    configs = [ta.LaunchConfig(*values) for values in itertools.product(*grid.values())]
-    configs += [ta.LaunchConfig(*values) for values in (EXTRA_DRY if plan.dry_run else EXTRA)]
+    configs = sweep_configs(plan.dry_run)
     if default not in configs:
         configs.insert(0, default)
     rows = []

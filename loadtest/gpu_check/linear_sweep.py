@@ -31,7 +31,7 @@ SHAPE, SHAPE_DRY = (576, (9, 3, 64), 1536), (64, (2, 1, 32), 96)
 MAX_REL_DIFF = 0.03
 
 
-def _grid(dry_run: bool) -> list:
+def sweep_configs(dry_run: bool) -> list:
     from kernels.triton_linear import LinearConfig
 
     if dry_run:
@@ -106,7 +106,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     device = torch.device(plan.device)
     shape, layers = (SHAPE_DRY, LAYERS_DRY) if plan.dry_run else (SHAPE, LAYERS)
     ops, attn = TritonLayerOps(), TritonPagedAttention(device)
-    configs = _grid(plan.dry_run)
+    configs = sweep_configs(plan.dry_run)
     default = triton_linear.NORM_LINEAR_CONFIG
     repeats = repeats if not plan.dry_run else 1
     by_rows = {}

@@ -109,7 +109,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
               "norm_linear_config": _norm_linear_config(), "num_speculative_tokens": speculative_tokens,
-              "speculative_disable_by_batch_size": engine.scheduler.config.speculative_disable_by_batch_size,
+              "speculative_disable_by_batch_size": sched.config.speculative_disable_by_batch_size,
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps)}
     if steps:

@@ -13,7 +13,6 @@ compile costs the check that limit, not the lease."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -37,14 +36,12 @@ def compile_for_the_check(arch: int, jobs: int | None, sweeps: bool) -> dict:
 
     from kernels import triton_attention, triton_linear
     from kernels.triton_aot import compile_variants
-    from loadtest.gpu_check.attention_sweep import EXTRA, GRID
-    from loadtest.gpu_check.linear_sweep import _grid
+    from loadtest.gpu_check import attention_sweep, linear_sweep
     from workers.kernel_variants import config_variants, engine_variants
 
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
-    attention = [triton_attention.LaunchConfig(*v) for v in itertools.product(*GRID.values())]
-    attention += [triton_attention.LaunchConfig(*v) for v in EXTRA]
-    configs = [(a, linear) for a in attention] + [(decode, c) for c in _grid(False)] if sweeps else []
+    configs = ([(a, linear) for a in attention_sweep.sweep_configs(False)]
+               + [(decode, c) for c in linear_sweep.sweep_configs(False)]) if sweeps else []
     variants = engine_variants(("smollm2-135m",), (torch.float32, torch.bfloat16))
     # the engine's graphs (block tables 64 wide at the check's 1,024 tokens) and the sweep's own inputs (as wide
     # as a sequence's blocks)
