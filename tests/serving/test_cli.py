@@ -261,6 +261,24 @@ def _stream_events(url: str, body: dict, started: threading.Event) -> list[dict]
     raise AssertionError(f"the stream was cut without [DONE] after {len(events)} events")
 
 
+class _Phases:
+    """Seconds from the start to each phase of a `kvrelay serve` test; a run past `slow_s` (they take ~20 s)
+    says where its time went in a warning, with the server's output, so a stall that ends in a pass is seen."""
+
+    def __init__(self, slow_s: float = 90.0) -> None:
+        self.start, self.slow_s, self.marks = time.monotonic(), slow_s, {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(time.monotonic() - self.start, 1)
+
+    def warn_if_slow(self, output: str) -> None:
+        if max(self.marks.values(), default=0.0) > self.slow_s:
+            import warnings
+
+            warnings.warn(f"kvrelay serve test slow: seconds at {self.marks}; its output's end:\n{output[-3000:]}",
+                          stacklevel=2)
+
+
 @contextlib.contextmanager
 def _kvrelay_serve(port: int, *flags: str):
     """`kvrelay serve` on `port` in a subprocess, as a user starts it, until its ready line: (process, output
@@ -288,8 +306,10 @@ def _kvrelay_serve(port: int, *flags: str):
 @pytest.mark.parametrize("direct_ingress", [False, True], ids=["proxy", "direct-ingress"])
 def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingress):
     port = free_port()
+    phases = _Phases()
     # Direct ingress is the default here (a local cluster, the engine in the ingress's one replica).
     with _kvrelay_serve(port, *([] if direct_ingress else ["--no-direct-ingress"])) as (proc, lines):
+        phases.mark("ready")
         temp_dir = Path(next(line.split()[3] for line in lines if line.startswith("Ray temp dir:")))
         assert temp_dir.is_dir()
         url = f"http://127.0.0.1:{port}"
@@ -299,16 +319,21 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
         status, body = http("POST", f"{url}/v1/completions",
                             {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
+        phases.mark("first_completion")
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # a stream in flight when Ctrl-C comes: it finishes
             stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 32,
                                                        "ignore_eos": True, "stream_options": {"include_usage": True}},
                                  started)
             assert started.wait(120)
+            phases.mark("stream_started")
             proc.send_signal(signal.SIGINT)
             events = stream.result(timeout=120)
+            phases.mark("stream_done")
         assert all("error" not in e for e in events) and events[-1]["usage"]["completion_tokens"] == 32
         output, _ = proc.communicate(timeout=120)
+        phases.mark("exited")
+        phases.warn_if_slow("".join(lines) + output)
         assert proc.returncode == 0 and "draining" in output, output[-2000:]
         with pytest.raises(OSError):  # nothing listens any more
             http("GET", f"{url}/health", timeout=5)
