@@ -20,6 +20,7 @@ import threading
 import time
 import typing
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -273,8 +274,6 @@ class _Phases:
 
     def warn_if_slow(self, output: str) -> None:
         if max(self.marks.values(), default=0.0) > self.slow_s:
-            import warnings
-
             warnings.warn(f"kvrelay serve test slow: seconds at {self.marks}; its output's end:\n{output[-3000:]}",
                           stacklevel=2)
 
