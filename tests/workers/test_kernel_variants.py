@@ -118,14 +118,12 @@ SAME_KEY = textwrap.dedent("""
     from triton.runtime.jit import JITFunction, create_function_from_signature
     from kernels.triton_aot import jit_source, specialize
     from kernels.triton_attention import TritonPagedAttention
-    from workers.kernel_variants import BLOCK_SIZE, _model, _step
+    from workers.kernel_variants import _meta_caches, _model, _step
 
     launches = []
     JITFunction.run = lambda self, *args, grid, warmup, **kwargs: launches.append((self, args, kwargs))
     model = _model("qwen2-0.5b", torch.bfloat16)
-    a = model.args
-    cache = torch.empty(2, 2, 64, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=torch.bfloat16, device="meta")
-    caches = [(cache[i, 0], cache[i, 1]) for i in range(2)]
+    caches = _meta_caches(model, torch.bfloat16)
     attn = TritonPagedAttention("meta")
     for new_tokens, width in (([1] * 256, 256), ([1], 3), ([17, 1, 1], 7), ([600], 40)):
         _step(model, attn, caches, new_tokens, width)
