@@ -22,6 +22,13 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fop
 _LDFLAGS = ["-fopenmp"]
 
 
+def _sources() -> list[Path]:
+    """The sources by their real paths: a checkout or virtualenv reached through a symlink (a git worktree
+    that links the main checkout's .venv, whose console scripts name the real interpreter) is the same
+    one, not a second build of ~2 minutes on 2 cores inside the first server a test starts."""
+    return [source.resolve() for source in SOURCES]
+
+
 def _build_directory() -> Path:
     """A build folder named by the sources' paths and contents, the flags and the torch install. ninja
     rebuilds everything when a source path or flag changes, so two checkouts sharing one folder would
@@ -29,8 +36,9 @@ def _build_directory() -> Path:
     (holding the lock) before it could serve."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    digest = hashlib.sha256(f"{torch.__file__} {torch.__version__} {_CFLAGS} {_LDFLAGS}".encode())
-    for source in SOURCES:
+    torch_install = Path(torch.__file__).resolve()
+    digest = hashlib.sha256(f"{torch_install} {torch.__version__} {_CFLAGS} {_LDFLAGS}".encode())
+    for source in _sources():
         digest.update(str(source).encode())
         digest.update(source.read_bytes())
     return Path(_get_build_directory(f"{_NAME}-{digest.hexdigest()[:16]}", verbose=False))
@@ -48,7 +56,7 @@ def load_extension():
     with open(build_directory / "load.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_directory / "lock").unlink(missing_ok=True)
-        return load(name=_NAME, sources=[str(s) for s in SOURCES], verbose=False, extra_cflags=_CFLAGS,
+        return load(name=_NAME, sources=[str(s) for s in _sources()], verbose=False, extra_cflags=_CFLAGS,
                     extra_ldflags=_LDFLAGS, build_directory=str(build_directory))
 
 

@@ -28,6 +28,20 @@ def test_build_folders_differ_by_checkout_and_by_source(tmp_path, monkeypatch):
     assert _build_directory() not in (here, elsewhere)
 
 
+def test_the_same_checkout_and_torch_through_symlinks_share_one_folder(tmp_path, monkeypatch):
+    """A git worktree that links the main checkout's .venv: pytest there imports torch through the link, the
+    `kvrelay` console script through the interpreter its first line names; both must find one build."""
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    here = _build_directory()
+    (tmp_path / "kernels").symlink_to(SOURCES[0].parent)
+    (tmp_path / "torch").symlink_to(Path(torch.__file__).parent)
+    monkeypatch.setattr(cpu_extension, "SOURCES", [tmp_path / "kernels" / s.name for s in SOURCES])
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    assert _build_directory() == here
+
+
 def test_a_lock_left_by_a_dead_process_does_not_block_loading():
     load_extension()  # built (once)
     (_build_directory() / "lock").touch()  # what torch's loader leaves when its process is killed mid-build

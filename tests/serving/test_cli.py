@@ -272,10 +272,30 @@ class _Phases:
     def mark(self, name: str) -> None:
         self.marks[name] = round(time.monotonic() - self.start, 1)
 
-    def warn_if_slow(self, output: str) -> None:
+    def warn_if_slow(self, output: str, snapshot: str = "") -> None:
         if max(self.marks.values(), default=0.0) > self.slow_s:
-            warnings.warn(f"kvrelay serve test slow: seconds at {self.marks}; its output's end:\n{output[-3000:]}",
+            warnings.warn(f"kvrelay serve test slow: seconds at {self.marks}; its output's end:\n{output[-3000:]}"
+                          + (f"\nwhile it started, {SNAPSHOT_AFTER_S:.0f} s in:\n{snapshot}" if snapshot else ""),
                           stacklevel=2)
+
+
+SNAPSHOT_AFTER_S = 60.0  # a start takes ~15 s
+
+
+def _cluster_snapshot(lines: list[str]) -> str:
+    """What a slow start is doing: the busiest processes and the last lines of Serve's and Ray's logs in the
+    server's Ray temp dir (removed when it stops)."""
+    ps = subprocess.run(["ps", "-eo", "pid,pcpu,rss,etimes,args", "--sort=-pcpu"], capture_output=True, text=True)
+    out = [line[:200] for line in ps.stdout.splitlines() if not line.rstrip().endswith("]")][:16]
+    temp = next((line.split()[3] for line in lines if line.startswith("Ray temp dir:")), None)
+    logs = Path(temp, "session_latest", "logs") if temp else None
+    if logs is not None and logs.is_dir():
+        for path in sorted([*logs.glob("serve/*.log"), *logs.glob("worker-*"), logs / "raylet.out"]):
+            with contextlib.suppress(OSError):
+                tail = [line[:300] for line in path.read_text().splitlines() if "[state-dump]" not in line][-12:]
+                if tail:
+                    out.append(f"--- {path.relative_to(logs)}\n" + "\n".join(tail))
+    return "\n".join(out)
 
 
 @contextlib.contextmanager
@@ -290,11 +310,15 @@ def _kvrelay_serve(port: int, *flags: str):
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline, lines = time.monotonic() + 300, [""]
+        start = time.monotonic()
+        deadline, lines, snapshot = start + 300, [""], []
         while "kvrelay is ready" not in lines[-1]:
             assert time.monotonic() < deadline and proc.poll() is None, "kvrelay serve did not become ready"
             if sel.select(timeout=1):
                 lines.append(proc.stdout.readline())
+            if not snapshot and time.monotonic() - start > SNAPSHOT_AFTER_S:
+                snapshot.append(_cluster_snapshot(lines))
+        proc.slow_start_snapshot = snapshot[0] if snapshot else ""
         yield proc, lines
     finally:
         if proc.poll() is None:
@@ -332,7 +356,7 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
         assert all("error" not in e for e in events) and events[-1]["usage"]["completion_tokens"] == 32
         output, _ = proc.communicate(timeout=120)
         phases.mark("exited")
-        phases.warn_if_slow("".join(lines) + output)
+        phases.warn_if_slow("".join(lines) + output, proc.slow_start_snapshot)
         assert proc.returncode == 0 and "draining" in output, output[-2000:]
         with pytest.raises(OSError):  # nothing listens any more
             http("GET", f"{url}/health", timeout=5)
