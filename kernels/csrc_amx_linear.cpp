@@ -13,7 +13,7 @@
 // 11-17 GB/s; this kernel reads them at 20-30 GB/s at 8-16 rows (docs/benchmarks.md). Past ~100 rows both
 // are bound by the tiles' arithmetic, ~1.3 TFLOP/s a core here even in cache. `amx_linear_bf16` raises
 // where the CPU or the OS has no AMX (`has_amx_linear()` says so).
-#include <torch/extension.h>
+#include "csrc_aten.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -12,7 +12,7 @@
 //   and of the tile after it into L2.
 //
 // `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
-#include <torch/extension.h>
+#include "csrc_aten.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -8,7 +8,7 @@
 // AMX, whose decode steps past 8 rows take oneDNN; docs/benchmarks.md). `mixed_layers_bf16` does the same
 // for a step with prefill chunks, up to the last layer's attention (offline bursts +2-7%, poisson QPS 4 TTFT
 // p50 86-88 -> 76-77 ms through the server on the same host).
-#include <torch/extension.h>
+#include "csrc_aten.h"
 
 #include <vector>
 

@@ -16,7 +16,7 @@
 // contiguous rows, CPU), else `at::linear`; deciding here costs one call from Python instead of a dozen
 // attribute reads. `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so), and
 // `linear_bf16` then always takes `at::linear`.
-#include <torch/extension.h>
+#include "csrc_aten.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>

@@ -6,7 +6,7 @@
 // dtype after each torch op). The residual add and RoPE match the torch path bit for bit. RMSNorm's sum
 // of squares is added in another order and SiLU's exp is our own, so their float32 results can differ
 // in the last bit, which flips a bfloat16 rounding for about one value in 10^5.
-#include <torch/extension.h>
+#include "csrc_aten.h"
 #include "csrc_simd.h"
 #include <ATen/Parallel.h>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Paged attention for decode tokens (one query per request) on the CPU: reads K/V straight from the
 // paged cache through the block table (no gather copy). Scores in float32; softmax over a per-request
 // buffer between a K pass and a V pass.
-#include <torch/extension.h>
+#include "csrc_aten.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
