@@ -1,6 +1,6 @@
-// What the kernel sources use of ATen, for all but csrc_bindings.cpp. <torch/extension.h> (pybind11 and the
-// whole C++ frontend) took ~24 s of every file's compile on a 2-core EPYC against ~2 s for ATen's tensor
-// header; only the bindings need it, so a first build (a first `kvrelay serve`) no longer pays it seven times.
+// What the kernel sources use of ATen, instead of <torch/extension.h> (pybind11 and the whole C++ frontend),
+// which took ~24 s of each file's compile on a 2-core EPYC against ~2 s for ATen's tensor header: seven times
+// in a first build, that is, in a first `kvrelay serve`. The bindings add torch's pybind11 header to this.
 #pragma once
 
 #include <ATen/core/Tensor.h>
