@@ -68,9 +68,17 @@ def _finals(outputs: dict[str, list]) -> dict[str, tuple]:
                   o[-1].outputs[0].stop_reason) for rid, o in outputs.items()}
 
 
-def test_same_tokens_in_fewer_steps(default_model_dir, prompts):
+@pytest.fixture(scope="module")
+def plain_40(default_model_dir, prompts) -> tuple[dict[str, list], int]:
+    """Every prompt's 40 greedy tokens without speculation, and the steps they took: the reference of the
+    tests below that change nothing else."""
     params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
-    plain, plain_steps = _run(_engine(default_model_dir), params, prompts)
+    return _run(_engine(default_model_dir), params, prompts)
+
+
+def test_same_tokens_in_fewer_steps(default_model_dir, prompts, plain_40):
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    plain, plain_steps = plain_40
     spec_engine = _engine(default_model_dir, num_speculative_tokens=4)
     spec, spec_steps = _run(spec_engine, params, prompts)
     assert _finals(spec) == _finals(plain)
@@ -114,9 +122,8 @@ def test_prometheus_counts_drafts_and_what_was_kept_by_position(default_model_di
 
 
 @pytest.mark.parametrize("at", [3, 10, 25])
-def test_drafts_stop_at_stop_tokens_and_max_tokens(default_model_dir, prompts, at):
-    free = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
-    ref, _ = _run(_engine(default_model_dir), free, prompts)
+def test_drafts_stop_at_stop_tokens_and_max_tokens(default_model_dir, prompts, plain_40, at):
+    ref, _ = plain_40
     # stop on a token each output takes somewhere in the middle, and a max_tokens inside a draft run
     params = {rid: SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[ref[rid][-1].outputs[0].token_ids[at]])
               for rid in prompts}
