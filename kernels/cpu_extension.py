@@ -25,7 +25,7 @@ _LDFLAGS = ["-fopenmp"]
 def _sources() -> list[Path]:
     """The sources by their real paths: a checkout or virtualenv reached through a symlink (a git worktree
     that links the main checkout's .venv, whose console scripts name the real interpreter) is the same
-    one, not a second build of ~2 minutes on 2 cores inside the first server a test starts."""
+    one, not a second build inside the first server a test starts, while the test waits."""
     return [source.resolve() for source in SOURCES]
 
 

@@ -14,7 +14,7 @@
 #include <ATen/ops/scaled_dot_product_attention.h>
 #include <ATen/ops/zeros.h>
 
-// torch::Tensor, torch::empty, torch::kInt, ... as <torch/types.h> names them: the same types and functions.
+// torch::Tensor, torch::empty, torch::kInt64, ... as <torch/types.h> names them: the same types and functions.
 namespace torch {
 using namespace at;  // NOLINT
 constexpr auto kInt64 = at::kLong;
