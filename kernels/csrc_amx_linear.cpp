@@ -14,7 +14,6 @@
 // are bound by the tiles' arithmetic, ~1.3 TFLOP/s a core here even in cache. `amx_linear_bf16` raises
 // where the CPU or the OS has no AMX (`has_amx_linear()` says so).
 #include "csrc_aten.h"
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

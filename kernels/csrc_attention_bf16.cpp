@@ -13,7 +13,6 @@
 //
 // `has_avx512_bf16()` says whether these were compiled; without them the Python side uses torch.
 #include "csrc_aten.h"
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>

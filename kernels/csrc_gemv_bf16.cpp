@@ -17,7 +17,6 @@
 // attribute reads. `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so), and
 // `linear_bf16` then always takes `at::linear`.
 #include "csrc_aten.h"
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

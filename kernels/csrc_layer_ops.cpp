@@ -8,7 +8,6 @@
 // in the last bit, which flips a bfloat16 rounding for about one value in 10^5.
 #include "csrc_aten.h"
 #include "csrc_simd.h"
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <algorithm>
 #include <cstring>

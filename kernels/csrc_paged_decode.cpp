@@ -2,7 +2,6 @@
 // paged cache through the block table (no gather copy). Scores in float32; softmax over a per-request
 // buffer between a K pass and a V pass.
 #include "csrc_aten.h"
-#include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
 

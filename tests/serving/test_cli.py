@@ -282,12 +282,17 @@ class _Phases:
 SNAPSHOT_AFTER_S = 60.0  # a start takes ~15 s
 
 
+def _ray_temp_dir(lines: list[str]) -> str | None:
+    """The Ray temp dir `kvrelay serve` printed, if it has yet."""
+    return next((line.split()[3] for line in lines if line.startswith("Ray temp dir:")), None)
+
+
 def _cluster_snapshot(lines: list[str]) -> str:
     """What a slow start is doing: the busiest processes and the last lines of Serve's and Ray's logs in the
     server's Ray temp dir (removed when it stops)."""
     ps = subprocess.run(["ps", "-eo", "pid,pcpu,rss,etimes,args", "--sort=-pcpu"], capture_output=True, text=True)
     out = [line[:200] for line in ps.stdout.splitlines() if not line.rstrip().endswith("]")][:16]
-    temp = next((line.split()[3] for line in lines if line.startswith("Ray temp dir:")), None)
+    temp = _ray_temp_dir(lines)
     logs = Path(temp, "session_latest", "logs") if temp else None
     if logs is not None and logs.is_dir():
         for path in sorted([*logs.glob("serve/*.log"), *logs.glob("worker-*"), logs / "raylet.out"]):
@@ -333,7 +338,7 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
     # Direct ingress is the default here (a local cluster, the engine in the ingress's one replica).
     with _kvrelay_serve(port, *([] if direct_ingress else ["--no-direct-ingress"])) as (proc, lines):
         phases.mark("ready")
-        temp_dir = Path(next(line.split()[3] for line in lines if line.startswith("Ray temp dir:")))
+        temp_dir = Path(_ray_temp_dir(lines))
         assert temp_dir.is_dir()
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in lines[-1]
