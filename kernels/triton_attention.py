@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels import triton_linear
 from kernels.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 from kernels.triton_kv_write import fusable_head_dim, norm_qkv_rope_store, rope_store_kv, store_kv
-from kernels.triton_linear import dot_mode, interpreting, launch_fitting
+from kernels.triton_linear import dot_mode, interpreting, launch_fitting, pdl_launch, pdl_start
 
 
 @triton.jit
@@ -51,11 +51,12 @@ def _paged_attention_kernel(
     stride_bt, block_size, part_acc, part_ml, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, num_splits,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_QUERY: tl.constexpr, SPLIT: tl.constexpr = False,
+    ONE_QUERY: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Tile `pid(0)` (with ONE_QUERY: sequence `pid(0)`), KV head `pid(1)`. With SPLIT (ONE_QUERY only)
     program `pid(2)` takes its share of the sequence's keys (one of `num_splits`) and writes its unnormalised
     output, running max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`."""
+    pdl_start(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     if ONE_QUERY:  # a decode step: one query token per sequence, one tile per sequence, no search
@@ -134,9 +135,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                            stride_ot, stride_oh, num_splits, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-                           SPLITS_P: tl.constexpr):
+                           SPLITS_P: tl.constexpr, PDL: tl.constexpr = False):
     """Token `pid(0)`, query head `pid(1)`: its splits' outputs, each rescaled from its own running max to the
     largest, summed and divided by the rescaled sums (a split that saw no key has max -inf and weighs 0)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P)
@@ -168,6 +170,9 @@ class LaunchConfig:
     # combines (more programs in flight per SM where a batch has few sequences for the GPU's SMs); 0: as many
     # as bring the step's programs to about `SPLIT_TARGET_WAVES` per SM (`decode_splits`)
     num_splits: int = 1
+    # programmatic dependent launch (`triton_linear.pdl_launch`): the kernel's programs start while the one
+    # before ends
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "num_warps"):
@@ -252,6 +257,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     one_query = num_tokens == num_seqs
     splits = decode_splits(config, num_seqs, num_kv_heads, query.device) if one_query and num_tokens else 1
     upcast, precision = dot_mode(query.dtype)
+    pdl = pdl_launch(config.pdl, query.device)
     if splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, splits, head_dim_p, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=query.device)
@@ -267,12 +273,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION=precision,
         ONE_QUERY=one_query, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_ml, out, *_split_strides(part_acc, part_ml, splits), out.stride(0), out.stride(1), splits,
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=max(4, triton.next_power_of_2(splits)),
-            num_warps=1 if head_dim_p <= 64 else 2)
+            num_warps=1 if head_dim_p <= 64 else 2, **pdl)
     return out
 
 

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.triton_layer_ops import rotate_halves, rotate_in_place
-from kernels.triton_linear import dot_mode, launch_fitting, normed_tile, row_scale
+from kernels.triton_linear import dot_mode, launch_fitting, normed_tile, pdl_launch, pdl_start, row_scale
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -74,11 +74,12 @@ def _norm_qkv_rope_store_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, q
                                 stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, eps,
                                 HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr):
+                                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Rows `pid(0)`, head `pid(1)` (queries, then keys, then values) of a layer's input: the residual add and
     RMSNorm (`triton_linear.row_scale`, `normed_tile`), the head's two halves of the qkv projection, rounded to
     the dtype; queries and keys rotated (`rotate_halves`, as `rotate_in_place`); queries written to `q_ptr`, keys and
     values stored into their slots (negative slots skipped). The head-0 programs write `x + res`."""
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     dt = x_ptr.dtype.element_ty
@@ -194,7 +195,7 @@ def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), eps, HAS_RES=residual is not None, HAS_BIAS=bias is not None, HALF=head_dim // 2,
             BLOCK_M=block_m, BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION=precision,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(config.pdl, x.device),
         )
     return total, q
 

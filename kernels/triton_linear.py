@@ -26,10 +26,39 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """First in a kernel launched with programmatic dependent launch (`pdl_launch`; Hopper on): the next
+    kernel's programs may start once every program of this one has (each then waits here in its own), and
+    this one waits until the kernel before it has finished and its writes are visible. Called before any load
+    or store, so a kernel overlaps its neighbours' launch and ramp, never their memory."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+_CAPABILITY: dict[torch.device, int] = {}
+
+
+def pdl_launch(enabled: bool, device: torch.device) -> dict:
+    """The launch arguments of a kernel that calls `pdl_start`: with programmatic dependent launch where
+    `enabled` (a config's `pdl`) and the device has it (CUDA from sm_90; the meta device, where the ahead-of-time
+    compile records launches), else without (Triton's interpreter, older GPUs)."""
+    if not enabled or interpreting() or device.type not in ("cuda", "meta"):
+        return {"PDL": False}
+    if device.type == "cuda":
+        if device not in _CAPABILITY:
+            _CAPABILITY[device] = torch.cuda.get_device_capability(device)[0]
+        if _CAPABILITY[device] < 9:
+            return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def dot_mode(dtype: torch.dtype) -> tuple[bool, str]:
@@ -107,10 +136,12 @@ def _norm_linear_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, 
                         stride_x, stride_res, stride_sum, stride_w, stride_out, eps,
                         HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NORM: tl.constexpr = True):
+                        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, NORM: tl.constexpr = True,
+                        PDL: tl.constexpr = False):
     """Rows `pid(0)`, output columns `pid(1)` of `rms_norm(x + res) @ w.T (+ b)`; GATED: of
     `silu(h @ w[:N].T) * (h @ w[N:].T)`. The column-0 programs write `x + res` to `sum_ptr`. Without NORM
     (and without a residual): `x @ w.T (+ b)`, a plain matmul."""
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -168,6 +199,8 @@ class LinearConfig:
     max_rows: int = 512
     # the layers' other matmuls (o_proj, down) in the same kernel too, unnormalised, instead of cuBLAS's
     plain_matmuls: bool = False
+    # programmatic dependent launch (`pdl_launch`): each kernel's programs start while the one before ends
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -228,7 +261,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x.stride(0), x.stride(0), x.stride(0), weight.stride(0), out.stride(0), 0.0,
             HAS_RES=False, HAS_BIAS=bias is not None, GATED=False, BLOCK_M=block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, UPCAST=upcast, DOT_PRECISION=precision, NORM=False,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(config.pdl, x.device),
         )
     return out
 
@@ -264,5 +297,6 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
             BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             UPCAST=upcast, DOT_PRECISION=precision, num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl_launch(config.pdl, x.device),
         )
     return total, out

@@ -7,7 +7,8 @@ layers of it on the meta device (no memory, no kernel runs), steps through the T
 layer ops as the model runner makes them: decode steps of 1 to 256 sequences (the CUDA graphs' sizes, with
 block tables as wide as theirs), prefill chunks beside decodes, a prompt at the fused kernels' row limit and
 one past it, in bfloat16, float16 and float32; then a decode step each with its keys split between programs,
-with the fused kernels' plain matmuls, and with the norms and matmuls apart (`NORM_LINEAR_CONFIG=None`). The
+with the fused kernels' plain matmuls, with the norms and matmuls apart (`NORM_LINEAR_CONFIG=None`), and with
+programmatic dependent launch (`pdl`). The
 JIT specializes each launch on its values (an integer's divisibility by 16, a 1), so the step shapes are
 chosen to reach every class: 1, 3, 16, 40, 256 rows."""
 
@@ -87,14 +88,20 @@ def _meta_caches(model: LlamaForCausalLM, dtype: torch.dtype) -> list:
     return [(cache[i, 0], cache[i, 1]) for i in range(a.num_layers)]
 
 
-def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES),
-                    dtypes: tuple[torch.dtype, ...] = DTYPES) -> dict[Variant, Any]:
-    """The variants the engine's steps launch (see the module docstring), in first-launch order."""
+def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[torch.dtype, ...] = DTYPES,
+                    pdl: bool = True) -> dict[Variant, Any]:
+    """The variants the engine's steps launch (see the module docstring), in first-launch order; those with
+    programmatic dependent launch only with `pdl` (a GPU from sm_90: `triton_linear.pdl_launch`)."""
     attn = TritonPagedAttention("meta")
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
     others = [(dataclasses.replace(decode, num_splits=4), linear), (decode, None)]
     if linear is not None:
         others.append((decode, dataclasses.replace(linear, plain_matmuls=True)))
+    if linear is not None and pdl:
+        # with programmatic dependent launch (the GPU check's sweeps time it): every fused kernel, split or not
+        others += [(dataclasses.replace(decode, pdl=True), dataclasses.replace(linear, pdl=True)),
+                   (dataclasses.replace(decode, num_splits=4, pdl=True),
+                    dataclasses.replace(linear, plain_matmuls=True, pdl=True))]
     with record() as seen:
         for shape in shapes:
             for dtype in dtypes:
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
-    report = compile_variants(engine_variants(shapes), args.arch, args.resources)
+    report = compile_variants(engine_variants(shapes, pdl=args.arch >= 90), args.arch, args.resources)
     print(json.dumps(report))
     return 1 if report["failed"] else 0
 

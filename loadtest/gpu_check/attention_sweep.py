@@ -9,7 +9,8 @@ default's, and reports the K/V bytes read per second against the copy bandwidth.
 default by `APPLY_GAIN`, is set as `DECODE_CONFIG` for the sections after it, so that the throughput section
 measures the engine with it (the JSON says which config each measured). Then one sequence's step (a single
 stream) is timed with that config and with automatic splits (`num_splits=0`, which leave a full batch as it
-is), and the splits are kept if they are that much faster."""
+is), and the splits are kept if they are that much faster. Last, that config with programmatic dependent
+launch and without (`_pdl`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from loadtest.gpu_check.plan import Plan, TOLERANCE
 
 APPLY_GAIN = 1.1
+PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
 GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 # beside the grid: a sequence's keys (~190 on average at the throughput shape) in one or two tiles, all their
 # loads in flight at once, and fewer warps per program (more programs resident per SM)
@@ -126,11 +128,38 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         applied = best["config"]
         ta.DECODE_CONFIG = ta.LaunchConfig(**applied)
     one = _one_sequence(plan, device, launch, ta.DECODE_CONFIG, repeats)
-    return {"passed": base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows) and one["ok"],
+    pdl = _pdl(plan, device, launch, repeats)
+    return {"passed": (base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows) and one["ok"]
+                       and pdl["ok"]),
             "batch": plan.batch, "context_tokens": x["context_tokens"], "kv_bytes": x["kv_bytes"],
             "copy_bandwidth_gb_s": bandwidth / 1e9,
             "default": dataclasses.asdict(default), "best": best, "applied": applied, "configs": rows,
-            "one_sequence": one}
+            "one_sequence": one, "pdl": pdl}
+
+
+def _pdl(plan: Plan, device: torch.device, launch, repeats: int) -> dict:
+    """The config the sections after will run, at the batch, with programmatic dependent launch
+    (`LaunchConfig.pdl`: each launch's programs start while the one before ends, then wait for it) and without,
+    launched back to back as a step's layers launch it. The output must be the same to the bit (the kernel
+    computes the same; a difference would be a launch reading what the one before had not written yet); kept for
+    the sections after if `PDL_GAIN` faster. Where the device has no such launch (before sm_90, the interpreter)
+    both run alike."""
+    from kernels import triton_attention as ta
+
+    config = ta.DECODE_CONFIG
+    on = dataclasses.replace(config, pdl=True)
+    result: dict = {"config": dataclasses.asdict(config), "applied": False, "ok": True}
+    try:
+        diff = (launch(on).float() - launch(config).float()).abs().max().item()
+        off_s = time_calls(lambda: launch(config), device, repeats if not plan.dry_run else 1)
+        on_s = time_calls(lambda: launch(on), device, repeats if not plan.dry_run else 1)
+    except Exception as e:
+        return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    result |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
+    if result["ok"] and on_s * PDL_GAIN <= off_s and not plan.dry_run:
+        ta.DECODE_CONFIG = on
+        result["applied"] = True
+    return result
 
 
 def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int) -> dict:

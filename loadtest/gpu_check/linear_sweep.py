@@ -10,7 +10,9 @@ all 30 (2 in the dry run), in one CUDA graph, as a decode step's graph runs them
 throughput section's batch for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each config of a small
 grid, whose outputs it checks against the separate kernels', then at one row for the default and the fastest. The fastest config at the batch, if it beats
 the separate kernels by `APPLY_GAIN`, is set as `NORM_LINEAR_CONFIG` for the sections after it; if none does,
-the separate kernels are (None). The JSON says which the throughput section ran."""
+the separate kernels are (None). Then the config applied, and the fastest with o_proj and down in the kernel,
+each with programmatic dependent launch and without (`_pdl`): the fastest of those is applied if it beats the
+applied config. The JSON says which the throughput section ran."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from loadtest.gpu_check.plan import Plan
 from workers.cuda_graphs import cuda_capture
 
 APPLY_GAIN = 1.05
+PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
 LAYERS, LAYERS_DRY = 30, 2
 # (hidden, (heads, kv_heads, head_dim), intermediate): SmolLM2-135M's, and a tiny one for the dry run
 SHAPE, SHAPE_DRY = (576, (9, 3, 64), 1536), (64, (2, 1, 32), 96)
@@ -96,6 +99,48 @@ def _time(fn, device: torch.device, repeats: int) -> tuple[float, list[torch.Ten
     return time_calls(replay, device, repeats), [o.clone() for o in outs]
 
 
+def _pdl(plan: Plan, attn, ops, configs: list, shape: tuple, layers: int, device: torch.device,
+         repeats: int) -> dict:
+    """Each of `configs` (the one applied, else the default; then the fastest with o_proj and down in the
+    kernel too, whose every launch in a layer then overlaps the one before) at the batch with programmatic
+    dependent launch (`LinearConfig.pdl`: each fused kernel's programs start while the kernel before ends, then
+    wait for it) and without, in the layers' graph. Each one's outputs must be the same to the bit both ways (a
+    difference would be a kernel reading what the one before had not written yet). `choice`: the fastest of
+    them if it beats the first config without by `PDL_GAIN`, else the first."""
+    from kernels import triton_linear
+
+    saved = triton_linear.NORM_LINEAR_CONFIG
+    result: dict = {"configs": [], "ok": True}
+    a = _inputs(plan.batch, shape, layers, device)
+    try:
+        for config in configs:
+            row: dict = {"config": dataclasses.asdict(config)}
+            try:
+                triton_linear.NORM_LINEAR_CONFIG = config
+                off_s, reference = _time(lambda: _layers(attn, ops, a), device, repeats)
+                triton_linear.NORM_LINEAR_CONFIG = dataclasses.replace(config, pdl=True)
+                on_s, outs = _time(lambda: _layers(attn, ops, a), device, repeats)
+                diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference))
+                row |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
+            except Exception as e:  # a launch the driver refuses, a capture that fails
+                row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            result["configs"].append(row)
+    finally:
+        triton_linear.NORM_LINEAR_CONFIG = saved
+    rows = result["configs"]
+    result["ok"] = all(r["ok"] for r in rows)
+    timed = [(r["us"], r["config"], False) for r in rows if r["ok"]] + [(r["pdl_us"], r["config"], True)
+                                                                        for r in rows if r["ok"]]
+    first = rows[0]
+    if first["ok"] and timed:
+        us, config, pdl = min(timed, key=lambda t: t[0])
+        if us * PDL_GAIN <= first["us"] and not plan.dry_run:
+            result["choice"] = {**config, "pdl": pdl}
+    result.setdefault("choice", first["config"])
+    result["applied"] = result["choice"] != first["config"]
+    return result
+
+
 def sweep(plan: Plan, repeats: int = 50) -> dict:
     """Per row count: the separate kernels' time per step (all layers' two ops), and each config's with its
     largest relative difference from them. Applies the fastest at the batch (see the module docstring)."""
@@ -142,10 +187,21 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         choice = best["config"]
     else:
         choice = None
+    applied = None if choice is None else triton_linear.LinearConfig(**choice)
+    candidates = [applied or default or triton_linear.LinearConfig()]
+    plain = min((r for r in good if r["config"]["plain_matmuls"]), key=lambda r: r["us"], default=None)
+    if plain is not None and not candidates[0].plain_matmuls:
+        candidates.append(triton_linear.LinearConfig(**plain["config"]))
+    pdl = _pdl(plan, attn, ops, candidates, shape, layers, device, repeats)
+    if applied is None:  # the separate kernels won: measured, not applied
+        pdl["applied"] = False
+    elif pdl["applied"]:
+        applied = triton_linear.LinearConfig(**pdl["choice"])
     if not plan.dry_run:
-        triton_linear.NORM_LINEAR_CONFIG = None if choice is None else triton_linear.LinearConfig(**choice)
-    passed = all(r.get("ok") or "error" in r for rows in by_rows.values() for r in rows["configs"]) and bool(good)
-    return {"passed": passed, "layers": layers,
+        triton_linear.NORM_LINEAR_CONFIG = applied
+    passed = (all(r.get("ok") or "error" in r for rows in by_rows.values() for r in rows["configs"]) and bool(good)
+              and pdl["ok"])
+    return {"passed": passed, "layers": layers, "pdl": pdl,
             "shape": dict(zip(("hidden", "heads_kv_heads_head_dim", "intermediate"), shape)),
             "default": None if default is None else dataclasses.asdict(default), "best_at_batch": best,
             "applied": "separate kernels" if choice is None else choice, "applied_to_later_sections": not plan.dry_run,

@@ -281,6 +281,18 @@ def summary(report: dict) -> str:
     if one.get("auto_splits_us"):
         lines.append(f"  one sequence: {one['us']:.1f} us, split {one['splits']} ways {one['auto_splits_us']:.1f} us"
                      f"{' (applied)' if one['applied'] else ''}")
+    for name in ("attention_sweep", "linear_sweep"):
+        pdl = report["checks"].get(name, {}).get("pdl", {})
+        for row in pdl.get("configs", [pdl]):
+            what = f"  {name.split('_')[0]}{' plain' if row.get('config', {}).get('plain_matmuls') else ''}"
+            if row.get("pdl_us"):
+                lines.append(f"{what} with programmatic dependent launch: {row['pdl_us']:.1f} us, without "
+                             f"{row['us']:.1f} us, outputs {'equal' if row['ok'] else 'DIFFER'}")
+            elif row.get("error"):
+                lines.append(f"{what} with programmatic dependent launch: {row['error'][:100]}")
+        if pdl.get("applied"):
+            lines.append(f"  {name.split('_')[0]}: applied for the sections after, after that A/B: "
+                         f"{pdl.get('choice') or {**pdl['config'], 'pdl': True}}")
     ls = report["checks"].get("linear_sweep", {})
     for rows, data in ls.get("rows", {}).items():
         fastest = sorted((r for r in data["configs"] if r.get("us")), key=lambda r: r["us"])[:3]

@@ -85,7 +85,8 @@ def test_smollm2_shapes_in_bfloat16():
 
 
 @pytest.mark.parametrize("config", [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=64, block_n=32,
-                                                                                                  block_k=128, num_warps=8, num_stages=2)])
+                                                                                                  block_k=128, num_warps=8, num_stages=2),
+                                    LinearConfig(pdl=True)])
 def test_launch_configs_give_the_default_configs_result(config):
     a = _inputs(37, 96, 80, torch.float32, seed=5)
     want = triton_linear.norm_linear(a["x"], a["residual"], a["norm_weight"], 1e-5, a["weight"], a["bias"])[1]
@@ -273,3 +274,43 @@ def test_launch_fitting_takes_fewer_stages_where_shared_memory_is_short():
     with pytest.raises(Exception, match="shared memory"):
         triton_linear.launch_fitting(none_fit, (1,), x, num_stages=2, num_warps=4)
     assert none_fit.launches == [2, 1]
+
+
+def test_the_qkv_kernel_with_programmatic_dependent_launch_gives_the_same_bits():
+    """`norm_qkv_rope_store` under a config with `pdl` (launched so on a GPU from sm_90, after a kernel that
+    wrote its input; ignored here): the same stream, queries and caches as without, to the bit."""
+    from kernels.triton_kv_write import norm_qkv_rope_store
+
+    nh, kvh, d, rows = 9, 3, 64, 40
+    got = []
+    for config in (LinearConfig(), LinearConfig(pdl=True)):
+        a = _inputs(rows, 96, (nh + 2 * kvh) * d, torch.bfloat16, seed=11)
+        x = a["x"] * 1.5  # written by a kernel just before, as a layer's input is
+        cos, sin = _rope_tables(d, 300, torch.bfloat16)
+        positions = torch.arange(rows, device=DEVICE) * 7
+        k_cache = torch.zeros(8, 16, kvh, d, dtype=torch.bfloat16, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.arange(rows, device=DEVICE) * 3
+        total, q = norm_qkv_rope_store(x, a["residual"], a["norm_weight"], 1e-5, a["weight"], None, nh, kvh, cos, sin,
+                                       positions, k_cache, v_cache, slots, config)
+        got.append((total, q, k_cache, v_cache))
+    for want, have in zip(*got):
+        assert torch.equal(want, have)
+
+
+def test_programmatic_dependent_launch_only_where_the_device_has_it(monkeypatch):
+    """`pdl_launch`: off unless asked; off under the interpreter, on the CPU and on CUDA before sm_90; on for
+    sm_90 and the meta device (the ahead-of-time compile records it there)."""
+    from kernels.triton_linear import pdl_launch
+
+    monkeypatch.setattr(triton_linear, "_CAPABILITY", {})
+    assert pdl_launch(False, torch.device("meta")) == {"PDL": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl_launch(True, torch.device("meta")) == {"PDL": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl_launch(True, torch.device("cpu")) == {"PDL": False}
+    assert pdl_launch(True, torch.device("meta")) == {"PDL": True, "launch_pdl": True}
+    for major, want in ((8, {"PDL": False}), (9, {"PDL": True, "launch_pdl": True})):
+        triton_linear._CAPABILITY.clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, major=major: (major, 0))
+        assert pdl_launch(True, torch.device("cuda", 0)) == want

@@ -80,6 +80,9 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
     one = sweep["one_sequence"]  # one stream, its keys split between programs: the same output
     assert one["ok"] and one["splits"] > 1 and one["auto_splits_us"] > 0 and not one["applied"]
+    # programmatic dependent launch (ignored on the CPU) against none: the same bits, never applied in a dry run
+    pdl = sweep["pdl"]
+    assert pdl["ok"] and pdl["max_abs_diff"] == 0 and pdl["us"] > 0 and pdl["pdl_us"] > 0 and not pdl["applied"]
     linear = checks["linear_sweep"]
     assert set(linear["rows"]) == {"1", "2"} and linear["default"] is not None
     for rows, data in linear["rows"].items():
@@ -87,6 +90,11 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
         assert all(r["ok"] and r["us"] > 0 and r["max_rel_diff"] < 0.03 for r in data["configs"])
     assert any(r["config"]["plain_matmuls"] for r in linear["rows"]["2"]["configs"])
     assert not linear["applied_to_later_sections"]
+    # the applied config (the default here) and the fastest plain one, each with and without
+    pdl = linear["pdl"]
+    assert [r["config"]["plain_matmuls"] for r in pdl["configs"]] == [False, True] and not pdl["applied"]
+    assert all(r["ok"] and r["max_abs_diff"] == 0 and r["pdl_us"] > 0 for r in pdl["configs"])
+    assert pdl["choice"] == linear["default"]
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
                                                         "graphs_outputs_in_step")] == [True, True, False, False]
@@ -237,3 +245,36 @@ def test_a_warmup_past_its_time_is_stopped():
 
     report = warm_triton_cache(arch=90, jobs=1, sweeps=False, timeout_s=0.5)
     assert not report["passed"] and "did not finish within" in report["error"]
+
+
+def test_the_linear_sweeps_pdl_ab_applies_the_fastest_only_past_its_gain(monkeypatch):
+    """`linear_sweep._pdl` on a GPU (times given here): the fastest of the applied config and the fastest plain
+    one, each with and without programmatic dependent launch, replaces the applied config when it beats it by
+    `PDL_GAIN`; a kernel whose output differs with it fails the A/B and changes nothing."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels.triton_linear import LinearConfig
+    from loadtest.gpu_check import linear_sweep
+
+    first, plain = LinearConfig(), LinearConfig(block_m=16, plain_matmuls=True)
+    plan = SimpleNamespace(batch=4, dry_run=False)
+    monkeypatch.setattr(linear_sweep, "_inputs", lambda *a, **k: {})
+
+    def ab(times, outputs=None):
+        seconds = iter(times)
+        outs = iter(outputs or [torch.zeros(2)] * len(times))
+        monkeypatch.setattr(linear_sweep, "_time", lambda fn, device, repeats: (next(seconds), [next(outs)]))
+        return linear_sweep._pdl(plan, None, None, [first, plain], (), 2, torch.device("cpu"), 1)
+
+    # the times: the first config without and with, the plain one without and with
+    got = ab([100e-6, 90e-6, 80e-6, 70e-6])
+    assert got["ok"] and got["applied"] and got["choice"] == {**dataclasses.asdict(plain), "pdl": True}
+    got = ab([100e-6, 90e-6, 120e-6, 110e-6])
+    assert got["applied"] and got["choice"] == {**dataclasses.asdict(first), "pdl": True}
+    got = ab([100e-6, 98e-6, 120e-6, 110e-6])  # within PDL_GAIN: the first, as it was
+    assert not got["applied"] and got["choice"] == dataclasses.asdict(first)
+    got = ab([100e-6, 50e-6, 120e-6, 110e-6], [torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2)])
+    assert not got["ok"] and not got["applied"] and got["configs"][0]["max_abs_diff"] == 1.0

@@ -72,6 +72,9 @@ SCRIPT = textwrap.dedent('''
         consts, aligned = dict(v.constexprs), {i for i, _ in v.attrs}
         return (v.name == "_paged_attention_kernel" and consts[names.index("ONE_QUERY")] is True
                 and consts[names.index("SPLIT")] is False and names.index("num_seqs") in aligned)
+    def pdl_on(v):  # launched with programmatic dependent launch, and compiled to wait (PDL=True)
+        params = [n for n, _ in v.signature]
+        return dict(v.options).get("launch_pdl") and "PDL" in params and dict(v.constexprs)[params.index("PDL")]
     names = [n for n, _ in next(v for v in seen if v.name == "_paged_attention_kernel").signature]
     decode = [v for v in seen if decode_step(v)]
     ttgir = compile_variant(seen[decode[0]], decode[0], 90).asm["ttgir"]
@@ -79,7 +82,8 @@ SCRIPT = textwrap.dedent('''
                           decode_attrs=[names[i] for i, _ in decode[0].attrs],
                           decode_constexprs={names[i]: v for i, v in decode[0].constexprs},
                           pipelined="async_copy_global_to_local" in ttgir,
-                          kernels=sorted({v.name for v in seen}))))
+                          kernels=sorted({v.name for v in seen}),
+                          pdl=sorted({v.name for v in seen if pdl_on(v)}))))
 ''')
 
 
@@ -106,6 +110,9 @@ def test_variants_are_specialized_as_the_jit_does(tmp_path):
     assert out["decode_constexprs"]["num_splits"] == 1 and out["decode_constexprs"]["ONE_QUERY"] is True
     assert out["pipelined"]
     assert set(out["kernels"]) == KERNELS
+    # launched with programmatic dependent launch, and compiled to wait for the kernel before: the fused ones
+    assert out["pdl"] == ["_combine_splits_kernel", "_norm_linear_kernel", "_norm_qkv_rope_store_kernel",
+                          "_paged_attention_kernel"]
 
 
 SAME_KEY = textwrap.dedent("""
