@@ -9,6 +9,7 @@ Backends are registered by import path, so a GPU backend's libraries load only w
 from __future__ import annotations
 
 import importlib
+import logging
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -16,6 +17,20 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What a model's attention asks of a backend: what an optional package's self-check runs
+    (`AttentionBackend.check`)."""
+
+    block_size: int
+    dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass(slots=True)
@@ -45,6 +60,16 @@ M = TypeVar("M", bound=AttentionMetadata)
 
 class AttentionBackend(ABC, Generic[M]):
     name: str = ""
+    graph_safe = False  # its steps may be captured in a CUDA graph (its metadata: `TritonAttentionMetadata`)
+    triton_layer_ops = False  # on CUDA the model takes the Triton layer ops with it
+
+    def check(self, spec: AttentionSpec) -> None:
+        """Raise ValueError unless this backend serves `spec` (an optional package's self-check); nothing to
+        check by default."""
+
+    def begin_step(self, meta: M) -> None:
+        """Called by the model once per forward pass, before its layers (inside a CUDA graph's capture when
+        one is captured): per-step work the layers then share. Nothing by default."""
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> M:
@@ -89,28 +114,41 @@ _REGISTRY: dict[str, str] = {
     "torch": "kernels.cpu_attention:TorchPagedAttention",
     "cpp": "kernels.cpp_attention:CppPagedAttention",
     "triton": "kernels.triton_attention:TritonPagedAttention",
+    "flash_attn": "kernels.flash_attention:FlashAttnPagedAttention",
+    "vllm_flash_attn": "kernels.flash_attention:VllmFlashAttnPagedAttention",
 }
-# What `auto` tries, in order, before falling back to the torch backend.
-_AUTO = {"cpu": ("cpp",), "cuda": ("triton",)}
+# What `auto` tries, in order, before falling back to the torch backend; the optional packages' (not
+# dependencies: `kernels/flash_attention.py`) are passed over quietly when they do not import or pass.
+_AUTO = {"cpu": ("cpp",), "cuda": ("vllm_flash_attn", "flash_attn", "triton")}
+_OPTIONAL = frozenset({"vllm_flash_attn", "flash_attn"})
 
 
 def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend `name` for tensors on `device`. `auto`: on the CPU the compiled kernels when they build
-    here, on CUDA the Triton kernels; else the pure-torch backend, which runs anywhere."""
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu",
+                          spec: AttentionSpec | None = None) -> AttentionBackend:
+    """The backend `name` for tensors on `device`, checked against `spec` when given (`AttentionBackend.check`:
+    ValueError if it does not serve it). `auto`: on the CPU the compiled kernels when they build here; on CUDA
+    FlashAttention (vLLM's build, then upstream's) where the package imports and passes its self-check, else
+    the Triton kernels; else the pure-torch backend, which runs anywhere."""
     device = torch.device(device)
     if name == "auto":
         for candidate in _AUTO.get(device.type, ()):
             try:
-                return get_attention_backend(candidate, device)
-            except Exception as e:  # no compiler, no triton: the torch path computes the same thing
-                warnings.warn(f"{candidate} attention unavailable ({e}); trying the next backend", stacklevel=2)
+                return get_attention_backend(candidate, device, spec)
+            except Exception as e:  # no package, no compiler, no triton: the next computes the same thing
+                if candidate in _OPTIONAL:
+                    logger.debug("%s attention not used: %s", candidate, e)
+                else:
+                    warnings.warn(f"{candidate} attention unavailable ({e}); trying the next backend", stacklevel=2)
         name = "torch"
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(available_backends())}")
     module, cls = _REGISTRY[name].split(":")
     factory: Callable[[torch.device], AttentionBackend] = getattr(importlib.import_module(module), cls)
-    return factory(device)
+    backend = factory(device)
+    if spec is not None:
+        backend.check(spec)
+    return backend

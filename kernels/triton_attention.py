@@ -305,6 +305,8 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
     """The GPU backend (and, under `TRITON_INTERPRET=1`, a CPU one for tests)."""
 
     name = "triton"
+    graph_safe = True
+    triton_layer_ops = True
 
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from kernels.attention import AttentionBackend, get_attention_backend
+from kernels.attention import AttentionBackend, AttentionSpec, get_attention_backend
 from kernels.layer_ops import CppLayerOps, get_layer_ops, packable
 from workers.config import EngineConfig
 from workers.model_loader import load_model
@@ -25,10 +25,12 @@ logger = logging.getLogger(__name__)
 def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.dtype, device: torch.device,
                 max_model_len: int, tp: TPShard = TPShard()) -> tuple[LlamaForCausalLM, AttentionBackend]:
     model = load_model(files, hf_config, dtype, max_model_len, device, tp)
-    attn = get_attention_backend(config.attention_backend, device)
+    spec = AttentionSpec(config.block_size, dtype, model.part.num_heads, model.part.num_kv_heads, model.args.head_dim)
+    attn = get_attention_backend(config.attention_backend, device, spec)
     # The compiled layer ops come from the same build as the compiled attention: both or neither. On a GPU
-    # the Triton attention comes with the Triton layer ops (one kernel per norm, rotary and SiLU-and-mul).
-    if attn.name == "triton" and device.type == "cuda":
+    # the Triton attention (and FlashAttention's, which stores K/V with it) comes with the Triton layer ops
+    # (one kernel per norm, rotary and SiLU-and-mul; the fused norms and matmuls).
+    if attn.triton_layer_ops and device.type == "cuda":
         from kernels.triton_layer_ops import TritonLayerOps
 
         model.ops = TritonLayerOps()
@@ -89,6 +91,6 @@ def make_runner(model: LlamaForCausalLM, attn: AttentionBackend, config: EngineC
                 structured: StructuredOutputManager | None = None) -> ModelRunner:
     runner = ModelRunner(model, attn, num_blocks, config.block_size, dtype, config.seed, device, structured)
     # CUDA graphs capture one process's kernels; a tensor-parallel step's collectives run eagerly
-    if device.type == "cuda" and not config.enforce_eager and attn.name == "triton" and model.tp.size == 1:
+    if device.type == "cuda" and not config.enforce_eager and attn.graph_safe and model.tp.size == 1:
         runner.enable_decode_graphs(config.max_num_seqs, max_model_len)
     return runner

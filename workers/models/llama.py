@@ -154,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         """Returns logits (in the model's dtype) for the rows in `logits_indices` only. Each residual add
         is fused with the norm after it; the last layer carries only those rows past its attention."""
         ops, eps, last = self.ops, self.args.rms_norm_eps, len(self.layers) - 1
+        attn.begin_step(meta)
         rope = (self.cos_table, self.sin_table, positions)
         x = self._embed(input_ids)
         fused = mixed = None

@@ -1,0 +1,158 @@
+"""FlashAttention's paged kernel as an optional CUDA attention backend: `flash_attn_varlen_func` with a block
+table, from the `flash_attn` package or vLLM's build of it (`vllm_flash_attn`). Neither is a dependency
+(`flash-attn` builds against one torch and one CUDA; `vllm-flash-attn`'s only release pins torch 2.4), so
+each is used only where it imports and passes a self-check on this device: `get_attention_backend` with an
+`AttentionSpec` runs a small paged case (prompt chunks beside decodes, grouped heads) through it and the
+torch backend and refuses it unless they agree; `auto` on CUDA tries these first, then Triton.
+
+The caches keep the engine's layout, `[num_blocks, block_size, kv_heads, head_dim]`, which is FlashAttention's
+paged layout. Upstream FlashAttention 2 takes blocks of a multiple of 256 tokens only (the engine's default is
+16: the self-check refuses it there), vLLM's build any multiple of 16. Everything else is the Triton backend's:
+its metadata (int64, CUDA-graph buffers included), its K/V store and fused layer input, so decode steps replay
+CUDA graphs as with Triton. FlashAttention takes int32 block tables and cumulative lengths, made once per step
+in `begin_step` (inside the graph when one is captured), and host bounds for the longest query and context:
+the step's own in an eager step, one token and the block table's width in a graph."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels.attention import AttentionSpec, CommonAttentionMetadata
+from kernels.triton_attention import TritonAttentionMetadata, TritonPagedAttention
+from kernels.triton_linear import interpreting
+
+
+@dataclass(slots=True)
+class FlashAttnMetadata(TritonAttentionMetadata):
+    """The Triton backend's metadata and, for an eager step, its longest query and context (host ints)."""
+
+    max_query_len: int = 0
+    max_seq_len: int = 0
+
+
+class FlashAttnPagedAttention(TritonPagedAttention):
+    """`flash_attn.flash_attn_varlen_func` over the paged caches (see the module docstring)."""
+
+    name = "flash_attn"
+    module_names: tuple[str, ...] = ("flash_attn",)
+    block_multiple = 256  # upstream FlashAttention 2's paged KV cache takes blocks of a multiple of 256 tokens
+
+    def __init__(self, device: torch.device | str = "cuda", module: ModuleType | None = None) -> None:
+        """`module`: the package's module (default: the first of `module_names` that imports; tests give a
+        stand-in, on the CPU under Triton's interpreter)."""
+        if torch.device(device).type not in ("cuda", "meta") and not interpreting():
+            raise ValueError(f"the {self.name} attention backend runs on CUDA devices, not {torch.device(device)}")
+        self.fa = module if module is not None else _import_first(self.module_names)
+        self.varlen = getattr(self.fa, "flash_attn_varlen_func")
+        # each sequence's context as its length where the function takes that (vLLM's newer builds), else
+        # as cumulative lengths (upstream's, and vLLM's 2.6 release)
+        self.seqused = "seqused_k" in inspect.signature(self.varlen).parameters
+        super().__init__(device)
+        self._step: tuple | None = None  # (meta, int32 block tables, cumulative query and context lengths, lengths)
+
+    def check(self, spec: AttentionSpec) -> None:
+        """Raise ValueError unless this backend serves `spec`: what the package takes, then the self-check."""
+        if spec.block_size % self.block_multiple:
+            raise ValueError(f"{self.name} needs a block size that is a multiple of {self.block_multiple}, "
+                             f"got {spec.block_size}")
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{self.name} runs float16 and bfloat16, not {spec.dtype}")
+        if spec.head_dim % 8 or spec.head_dim > 256 or spec.num_heads % spec.num_kv_heads:
+            raise ValueError(f"{self.name} needs a head_dim that is a multiple of 8 up to 256 and whole query "
+                             f"groups, got head_dim {spec.head_dim}, {spec.num_heads} / {spec.num_kv_heads} heads")
+        self_check(self, spec, self.device)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
+        base = super().build_metadata(common)
+        return FlashAttnMetadata(base.slot_mapping, base.block_tables, base.seq_lens, base.query_start_loc,
+                                 int(common.query_lens.max()) if common.query_lens.numel() else 0,
+                                 int(common.context_lens.max()) if common.context_lens.numel() else 0)
+
+    def begin_step(self, meta: TritonAttentionMetadata) -> None:
+        """The step's int32 block tables and cumulative lengths, once for all its layers."""
+        seq_lens = meta.seq_lens.to(torch.int32)
+        cu_k = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+        torch.cumsum(seq_lens, 0, out=cu_k[1:])
+        self._step = (meta, meta.block_tables.to(torch.int32), meta.query_start_loc.to(torch.int32), cu_k, seq_lens)
+
+    def forward(self, query, k_cache, v_cache, meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+        if self._step is None or self._step[0] is not meta:
+            self.begin_step(meta)
+        _, tables, cu_q, cu_k, seq_lens = self._step
+        num_tokens, num_seqs = query.shape[0], meta.seq_lens.shape[0]
+        if isinstance(meta, FlashAttnMetadata):
+            max_q, max_k = meta.max_query_len, meta.max_seq_len
+        else:  # a graph's buffers: decode steps, contexts up to the table's width
+            max_q, max_k = (1 if num_tokens == num_seqs else num_tokens), tables.shape[1] * k_cache.shape[1]
+        lengths = {"seqused_k": seq_lens} if self.seqused else {"cu_seqlens_k": cu_k}
+        return self.varlen(q=query, k=k_cache, v=v_cache, cu_seqlens_q=cu_q, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                           softmax_scale=scale, causal=True, block_table=tables, **lengths)
+
+
+class VllmFlashAttnPagedAttention(FlashAttnPagedAttention):
+    """vLLM's build of FlashAttention (the `vllm-flash-attn` package, or the one inside vLLM): blocks of any
+    multiple of 16 tokens."""
+
+    name = "vllm_flash_attn"
+    module_names = ("vllm_flash_attn", "vllm.vllm_flash_attn")
+    block_multiple = 16
+
+
+def _import_first(names: tuple[str, ...]) -> ModuleType:
+    """The first of `names` that imports (the last one's ImportError if none does)."""
+    for name in names[:-1]:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pass
+    return importlib.import_module(names[-1])
+
+
+# the self-check's case: (new tokens, cached before) per sequence: a prompt chunk, decodes, a chunk past a block
+SELF_CHECK_BATCH = ((7, 0), (1, 40), (1, 1), (5, 300), (1, 257))
+
+
+def self_check(backend, spec: AttentionSpec, device: torch.device, seed: int = 0) -> None:
+    """Run `SELF_CHECK_BATCH` through `backend` (its K/V store and attention) and through the torch backend,
+    in `spec`'s dtype, heads and block size over shuffled blocks; raise ValueError unless they agree to the
+    dtype's rounding."""
+    from kernels.cpu_attention import TorchPagedAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, d = spec.block_size, spec.head_dim
+    lens = [q + c for q, c in SELF_CHECK_BATCH]
+    counts = [-(-n // bs) for n in lens]  # blocks per sequence, handed out shuffled; one more left over
+    order = torch.randperm(sum(counts) + 1, generator=gen).tolist()
+    tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
+    width = max(counts)
+    q_lens = torch.tensor([q for q, _ in SELF_CHECK_BATCH])
+    starts = torch.zeros(len(lens) + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=starts[1:])
+    slots = torch.cat([torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c, c + q)])
+                       for i, (q, c) in enumerate(SELF_CHECK_BATCH)])
+    common = CommonAttentionMetadata(q_lens, starts, torch.tensor(lens), torch.tensor([t + [0] * (width - len(t))
+                                                                                        for t in tables]),
+                                     slots, bs, spec.num_heads, spec.num_kv_heads)
+    num_blocks, tokens = len(order), int(q_lens.sum())
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=spec.dtype)
+    k_cache, v_cache = rand(num_blocks, bs, spec.num_kv_heads, d), rand(num_blocks, bs, spec.num_kv_heads, d)
+    query = rand(tokens, spec.num_heads, d)
+    key, value = rand(tokens, spec.num_kv_heads, d), rand(tokens, spec.num_kv_heads, d)
+    outs = []
+    for impl in (backend, TorchPagedAttention(device)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = impl.build_metadata(common)
+        impl.write_kv(kc, vc, key, value, meta)
+        outs.append(impl.forward(query, kc, vc, meta, d ** -0.5).float())
+    diff = (outs[0] - outs[1]).abs().max().item()
+    tolerance = 2e-2 if spec.dtype == torch.bfloat16 else 4e-3
+    if not diff <= tolerance:  # (a NaN fails too)
+        raise ValueError(f"{backend.name} failed its self-check: {diff:.3g} from the torch backend (tolerance "
+                         f"{tolerance})")
