@@ -1,5 +1,6 @@
 """Triton paged attention against the torch backend on the same device and inputs: a mixed batch of decodes
-and chunks over scattered blocks, per dtype, block size and head shape; the largest absolute difference."""
+and chunks over scattered blocks, per dtype, block size and head shape; the largest absolute difference. And
+whether the optional FlashAttention packages are there and pass their self-check."""
 
 from __future__ import annotations
 
@@ -56,6 +57,25 @@ def attention_case(device: torch.device, dtype: torch.dtype, block_size: int, he
     return float((outs[0] - outs[1]).abs().max())
 
 
+def optional_backends(device: torch.device) -> dict[str, str]:
+    """Whether each optional attention package (`kernels/flash_attention.py`) is on this machine and passes
+    its self-check at SmolLM2-135M's heads in bfloat16, at its smallest block size: what `auto` would take."""
+    from kernels.attention import AttentionSpec
+    from kernels.flash_attention import FlashAttnPagedAttention, VllmFlashAttnPagedAttention
+
+    found = {}
+    for cls in (VllmFlashAttnPagedAttention, FlashAttnPagedAttention):
+        spec = AttentionSpec(cls.block_multiple, torch.bfloat16, 9, 3, 64)
+        try:
+            get_attention_backend(cls.name, device, spec)
+            found[cls.name] = f"passed its self-check at block size {cls.block_multiple}"
+        except ImportError as e:
+            found[cls.name] = f"not installed ({e})"
+        except Exception as e:
+            found[cls.name] = f"not used: {type(e).__name__}: {e}"
+    return found
+
+
 def check_kernels(device: torch.device, heads_list, batch, tolerance: dict[str, float]) -> dict:
     cases = []
     for dtype_name in ("float32", "bfloat16"):
@@ -65,4 +85,5 @@ def check_kernels(device: torch.device, heads_list, batch, tolerance: dict[str, 
                 cases.append({"dtype": dtype_name, "block_size": block_size, "heads": heads, "kv_heads": kv_heads,
                               "head_dim": dim, "max_abs_error": err, "tolerance": tolerance[dtype_name],
                               "passed": err <= tolerance[dtype_name]})
-    return {"passed": all(c["passed"] for c in cases), "batch": [list(b) for b in batch], "cases": cases}
+    return {"passed": all(c["passed"] for c in cases), "batch": [list(b) for b in batch], "cases": cases,
+            "optional_backends": optional_backends(device)}

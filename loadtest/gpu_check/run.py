@@ -269,6 +269,8 @@ def summary(report: dict) -> str:
     if "jit_variants" in aot:
         lines.append(f"  AOT fidelity: {aot['jit_variants']} variants compiled by the JIT, {aot['missing_count']} of "
                      f"them not among the {aot['recorded_variants']} recorded for CI")
+    for name, state in report["checks"].get("kernel_parity", {}).get("optional_backends", {}).items():
+        lines.append(f"  optional attention {name}: {state[:100]}")
     sw = report["checks"].get("attention_sweep", {})
     for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
         c = row["config"]
