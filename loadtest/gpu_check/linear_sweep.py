@@ -204,5 +204,6 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     return {"passed": passed, "layers": layers, "pdl": pdl,
             "shape": dict(zip(("hidden", "heads_kv_heads_head_dim", "intermediate"), shape)),
             "default": None if default is None else dataclasses.asdict(default), "best_at_batch": best,
-            "applied": "separate kernels" if choice is None else choice, "applied_to_later_sections": not plan.dry_run,
+            "applied": "separate kernels" if applied is None else dataclasses.asdict(applied),
+            "applied_to_later_sections": not plan.dry_run,
             "rows": {str(k): v for k, v in by_rows.items()}}
