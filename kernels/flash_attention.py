@@ -23,8 +23,8 @@ from types import ModuleType
 import torch
 
 from kernels.attention import AttentionSpec, CommonAttentionMetadata
+from kernels.attention_check import paged_difference
 from kernels.triton_attention import TritonAttentionMetadata, TritonPagedAttention
-from kernels.triton_linear import interpreting
 
 
 @dataclass(slots=True)
@@ -45,14 +45,12 @@ class FlashAttnPagedAttention(TritonPagedAttention):
     def __init__(self, device: torch.device | str = "cuda", module: ModuleType | None = None) -> None:
         """`module`: the package's module (default: the first of `module_names` that imports; tests give a
         stand-in, on the CPU under Triton's interpreter)."""
-        if torch.device(device).type not in ("cuda", "meta") and not interpreting():
-            raise ValueError(f"the {self.name} attention backend runs on CUDA devices, not {torch.device(device)}")
+        super().__init__(device)
         self.fa = module if module is not None else _import_first(self.module_names)
         self.varlen = getattr(self.fa, "flash_attn_varlen_func")
         # each sequence's context as its length where the function takes that (vLLM's newer builds), else
         # as cumulative lengths (upstream's, and vLLM's 2.6 release)
         self.seqused = "seqused_k" in inspect.signature(self.varlen).parameters
-        super().__init__(device)
         self._step: tuple | None = None  # (meta, int32 block tables, cumulative query and context lengths, lengths)
 
     def check(self, spec: AttentionSpec) -> None:
@@ -113,45 +111,16 @@ def _import_first(names: tuple[str, ...]) -> ModuleType:
     return importlib.import_module(names[-1])
 
 
-# the self-check's case: (new tokens, cached before) per sequence: a prompt chunk, decodes, a chunk past a block
-SELF_CHECK_BATCH = ((7, 0), (1, 40), (1, 1), (5, 300), (1, 257))
+# the self-check's case: (new tokens, context with them) per sequence: a prompt chunk, decodes, a chunk past a block
+SELF_CHECK_BATCH = ((7, 7), (1, 41), (1, 2), (5, 305), (1, 258))
 
 
 def self_check(backend, spec: AttentionSpec, device: torch.device, seed: int = 0) -> None:
-    """Run `SELF_CHECK_BATCH` through `backend` (its K/V store and attention) and through the torch backend,
-    in `spec`'s dtype, heads and block size over shuffled blocks; raise ValueError unless they agree to the
-    dtype's rounding."""
-    from kernels.cpu_attention import TorchPagedAttention
-
-    gen = torch.Generator().manual_seed(seed)
-    bs, d = spec.block_size, spec.head_dim
-    lens = [q + c for q, c in SELF_CHECK_BATCH]
-    counts = [-(-n // bs) for n in lens]  # blocks per sequence, handed out shuffled; one more left over
-    order = torch.randperm(sum(counts) + 1, generator=gen).tolist()
-    tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
-    width = max(counts)
-    q_lens = torch.tensor([q for q, _ in SELF_CHECK_BATCH])
-    starts = torch.zeros(len(lens) + 1, dtype=torch.long)
-    torch.cumsum(q_lens, 0, out=starts[1:])
-    slots = torch.cat([torch.tensor([tables[i][p // bs] * bs + p % bs for p in range(c, c + q)])
-                       for i, (q, c) in enumerate(SELF_CHECK_BATCH)])
-    common = CommonAttentionMetadata(q_lens, starts, torch.tensor(lens), torch.tensor([t + [0] * (width - len(t))
-                                                                                        for t in tables]),
-                                     slots, bs, spec.num_heads, spec.num_kv_heads)
-    num_blocks, tokens = len(order), int(q_lens.sum())
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=spec.dtype)
-    k_cache, v_cache = rand(num_blocks, bs, spec.num_kv_heads, d), rand(num_blocks, bs, spec.num_kv_heads, d)
-    query = rand(tokens, spec.num_heads, d)
-    key, value = rand(tokens, spec.num_kv_heads, d), rand(tokens, spec.num_kv_heads, d)
-    outs = []
-    for impl in (backend, TorchPagedAttention(device)):
-        kc, vc = k_cache.clone(), v_cache.clone()
-        meta = impl.build_metadata(common)
-        impl.write_kv(kc, vc, key, value, meta)
-        outs.append(impl.forward(query, kc, vc, meta, d ** -0.5).float())
-    diff = (outs[0] - outs[1]).abs().max().item()
+    """Run `SELF_CHECK_BATCH` through `backend` (its K/V store and attention) and through the torch backend
+    (`attention_check.paged_difference`), in `spec`'s dtype, heads and block size; raise ValueError unless they
+    agree to the dtype's rounding."""
+    diff = paged_difference(backend, device, spec.dtype, spec.block_size, spec.num_heads, spec.num_kv_heads,
+                            spec.head_dim, SELF_CHECK_BATCH, seed)
     tolerance = 2e-2 if spec.dtype == torch.bfloat16 else 4e-3
     if not diff <= tolerance:  # (a NaN fails too)
         raise ValueError(f"{backend.name} failed its self-check: {diff:.3g} from the torch backend (tolerance "

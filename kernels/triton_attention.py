@@ -311,7 +311,7 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
     def __init__(self, device: torch.device | str = "cuda") -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cuda", "meta") and not interpreting():
-            raise ValueError(f"the triton attention backend runs on CUDA devices (and traces on meta), or on "
+            raise ValueError(f"the {self.name} attention backend runs on CUDA devices (and traces on meta), or on "
                              f"{self.device} only under TRITON_INTERPRET=1")
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:

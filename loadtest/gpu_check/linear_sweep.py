@@ -20,12 +20,11 @@ import dataclasses
 
 import torch
 
-from loadtest.gpu_check.attention_sweep import time_calls
+from loadtest.gpu_check.attention_sweep import PDL_GAIN, time_calls
 from loadtest.gpu_check.plan import Plan
 from workers.cuda_graphs import cuda_capture
 
 APPLY_GAIN = 1.05
-PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
 LAYERS, LAYERS_DRY = 30, 2
 # (hidden, (heads, kv_heads, head_dim), intermediate): SmolLM2-135M's, and a tiny one for the dry run
 SHAPE, SHAPE_DRY = (576, (9, 3, 64), 1536), (64, (2, 1, 32), 96)
