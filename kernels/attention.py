@@ -75,6 +75,18 @@ class AttentionBackend(ABC, Generic[M]):
     def build_metadata(self, common: CommonAttentionMetadata) -> M:
         """Precompute, once per step, what `write_kv` and `forward` need in every layer."""
 
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor) -> M:
+        """A graph-safe backend's metadata for a CUDA graph of decode steps, over the graph's static int64
+        device buffers (`workers/cuda_graphs.py`)."""
+        raise NotImplementedError(f"{self.name} attention is not captured in CUDA graphs")
+
+    def prepare_graph_step(self, meta: M, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                           block_size: int) -> None:
+        """Host work before a graph's step replays (and before its capture), given the padded step's context
+        lengths and block tables on the host (`graph_metadata`'s buffers already hold them on the device).
+        Nothing by default."""
+
     @abstractmethod
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  meta: M) -> None:
@@ -116,11 +128,13 @@ _REGISTRY: dict[str, str] = {
     "triton": "kernels.triton_attention:TritonPagedAttention",
     "flash_attn": "kernels.flash_attention:FlashAttnPagedAttention",
     "vllm_flash_attn": "kernels.flash_attention:VllmFlashAttnPagedAttention",
+    "flashinfer": "kernels.flashinfer_attention:FlashInferPagedAttention",
 }
 # What `auto` tries, in order, before falling back to the torch backend; the optional packages' (not
-# dependencies: `kernels/flash_attention.py`) are passed over quietly when they do not import or pass.
-_AUTO = {"cpu": ("cpp",), "cuda": ("vllm_flash_attn", "flash_attn", "triton")}
-_OPTIONAL = frozenset({"vllm_flash_attn", "flash_attn"})
+# dependencies: `kernels/flash_attention.py`, `kernels/flashinfer_attention.py`) are passed over quietly
+# when they do not import or pass.
+_AUTO = {"cpu": ("cpp",), "cuda": ("vllm_flash_attn", "flash_attn", "flashinfer", "triton")}
+_OPTIONAL = frozenset({"vllm_flash_attn", "flash_attn", "flashinfer"})
 
 
 def available_backends() -> list[str]:
@@ -131,8 +145,8 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
                           spec: AttentionSpec | None = None) -> AttentionBackend:
     """The backend `name` for tensors on `device`, checked against `spec` when given (`AttentionBackend.check`:
     ValueError if it does not serve it). `auto`: on the CPU the compiled kernels when they build here; on CUDA
-    FlashAttention (vLLM's build, then upstream's) where the package imports and passes its self-check, else
-    the Triton kernels; else the pure-torch backend, which runs anywhere."""
+    FlashAttention (vLLM's build, then upstream's), then FlashInfer, where the package imports and passes its
+    self-check, else the Triton kernels; else the pure-torch backend, which runs anywhere."""
     device = torch.device(device)
     if name == "auto":
         for candidate in _AUTO.get(device.type, ()):

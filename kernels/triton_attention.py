@@ -325,6 +325,9 @@ class TritonPagedAttention(AttentionBackend[TritonAttentionMetadata]):
         return TritonAttentionMetadata(put(common.slot_mapping, torch.long), put(common.block_tables, torch.long),
                                        put(common.context_lens, torch.long), put(common.query_start_loc, torch.long))
 
+    def graph_metadata(self, slot_mapping, block_tables, seq_lens, query_start_loc) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc)
+
     def write_kv(self, k_cache, v_cache, key, value, meta: TritonAttentionMetadata) -> None:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 

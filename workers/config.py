@@ -45,9 +45,10 @@ class EngineConfig:
               "(kvrelay bench train-predictor writes one); default: a running mean of finished lengths.")
     enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = _opt(True, "Split long prompts across steps; off runs each prompt whole (budget >= max_model_len).")
-    attention_backend: str = _opt("auto", "Attention kernel: auto (compiled on the CPU; on CUDA FlashAttention where "
-                                          "vllm_flash_attn or flash_attn is installed and passes its self-check, "
-                                          "else triton), torch, cpp, triton, flash_attn or vllm_flash_attn.")
+    attention_backend: str = _opt("auto", "Attention kernel: auto (compiled on the CPU; on CUDA FlashAttention or "
+                                          "FlashInfer where vllm_flash_attn, flash_attn or flashinfer is installed "
+                                          "and passes its self-check, else triton), torch, cpp, triton, flash_attn, "
+                                          "vllm_flash_attn or flashinfer.")
     device: str = _opt("auto", "Where the model and KV cache live: auto (CUDA when available), cpu, cuda or cuda:N.")
     gpu_memory_utilization: float = _opt(
         0.9, "CUDA only: the fraction of the GPU's memory the engine may use (weights, activations, KV cache).")

@@ -72,11 +72,16 @@ class _Buffers:
 
 class DecodeGraphs:
     """`forward(input_ids, positions, common, logits_indices) -> logits` is the model step; `meta_for` builds
-    the attention backend's metadata over the static buffers (its tensors must be views of them)."""
+    the attention backend's metadata over the static buffers (its tensors must be views of them);
+    `prepare(meta, seq_lens, block_tables)`, if given, does a size's host work before each replay and before
+    its capture, given the padded step's context lengths and block tables on the host (a backend that plans
+    each step there: `AttentionBackend.prepare_graph_step`)."""
 
     def __init__(self, forward: Callable, meta_for: Callable, max_batch: int, max_blocks: int, device: torch.device,
-                 capture: Capture = cuda_capture) -> None:
+                 capture: Capture = cuda_capture, prepare: Callable | None = None) -> None:
         self.sizes = batch_ladder(max_batch)
+        self._prepare = prepare
+        self._metas: dict[int, object] = {}
         self.max_blocks = max_blocks
         self.device = device
         # two host buffers taken in turn: one is written while the copy from the other may still be queued
@@ -94,7 +99,10 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             self._pad(0, size)
             d.flat.copy_(self._host.flat)
-            meta = meta_for(d.slot_mapping[:size], d.block_tables[:size], d.seq_lens[:size], d.query_start_loc[:size + 1])
+            meta = self._metas[size] = meta_for(d.slot_mapping[:size], d.block_tables[:size], d.seq_lens[:size],
+                                                d.query_start_loc[:size + 1])
+            if prepare is not None:
+                prepare(meta, self._host.seq_lens[:size], self._host.block_tables[:size])
 
             # A captured graph reads its inputs at the addresses they had at capture, and keeps none of them
             # alive: each is a view of a buffer held here (`_dev`, `rows`), never a tensor of its own that
@@ -146,6 +154,8 @@ class DecodeGraphs:
         self._dev.flat[:self.copied].copy_(h.flat[:self.copied], non_blocking=True)
         if device_ids is not None:
             self._dev.input_ids[:n].copy_(device_ids)
+        if self._prepare is not None:
+            self._prepare(self._metas[size], h.seq_lens[:size], h.block_tables[:size])
         replay, logits = self._graphs[size]
         replay()
         return logits[:n]

@@ -9,6 +9,7 @@ they are enabled (`enable_decode_graphs`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -57,11 +58,11 @@ class ModelRunner:
 
     def enable_decode_graphs(self, max_batch: int, max_model_len: int, capture: Capture = cuda_capture) -> None:
         """Capture decode-only steps for a ladder of batch sizes up to `max_batch` (the attention backend
-        must be graph-safe: Triton's is)."""
-        from kernels.triton_attention import TritonAttentionMetadata
-
+        must be graph-safe: Triton's is, and those built on it)."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self._forward, TritonAttentionMetadata, max_batch, max_blocks, self.device, capture)
+        prepare = functools.partial(self.attn.prepare_graph_step, block_size=self.block_size)
+        self.graphs = DecodeGraphs(self._forward, self.attn.graph_metadata, max_batch, max_blocks, self.device,
+                                   capture, prepare)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, self.attn, meta, logits_indices)

@@ -1,6 +1,6 @@
 """Triton paged attention against the torch backend on the same device and inputs: a mixed batch of decodes
 and chunks over scattered blocks, per dtype, block size and head shape; the largest absolute difference. And
-whether the optional FlashAttention packages are there and pass their self-check."""
+whether the optional FlashAttention and FlashInfer packages are there and pass their self-check."""
 
 from __future__ import annotations
 
@@ -18,21 +18,23 @@ def attention_case(device: torch.device, dtype: torch.dtype, block_size: int, he
 
 
 def optional_backends(device: torch.device) -> dict[str, str]:
-    """Whether each optional attention package (`kernels/flash_attention.py`) is on this machine and passes
-    its self-check at SmolLM2-135M's heads in bfloat16, at its smallest block size: what `auto` would take."""
+    """Whether each optional attention package (`kernels/flash_attention.py`, `kernels/flashinfer_attention.py`)
+    is on this machine and passes its self-check at SmolLM2-135M's heads in bfloat16, at its smallest block
+    size (16 for FlashInfer, the engine's default): what `auto` would take."""
     from kernels.attention import AttentionSpec
     from kernels.flash_attention import FlashAttnPagedAttention, VllmFlashAttnPagedAttention
 
     found = {}
-    for cls in (VllmFlashAttnPagedAttention, FlashAttnPagedAttention):
-        spec = AttentionSpec(cls.block_multiple, torch.bfloat16, 9, 3, 64)
+    candidates = [(cls.name, cls.block_multiple) for cls in (VllmFlashAttnPagedAttention, FlashAttnPagedAttention)]
+    for name, block_size in candidates + [("flashinfer", 16)]:
+        spec = AttentionSpec(block_size, torch.bfloat16, 9, 3, 64)
         try:
-            get_attention_backend(cls.name, device, spec)
-            found[cls.name] = f"passed its self-check at block size {cls.block_multiple}"
+            get_attention_backend(name, device, spec)
+            found[name] = f"passed its self-check at block size {block_size}"
         except ImportError as e:
-            found[cls.name] = f"not installed ({e})"
+            found[name] = f"not installed ({e})"
         except Exception as e:
-            found[cls.name] = f"not used: {type(e).__name__}: {e}"
+            found[name] = f"not used: {type(e).__name__}: {e}"
     return found
 
 

@@ -74,7 +74,7 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
                                                               for b in (1, 16, 32)}
     assert all(c["max_abs_error"] <= c["tolerance"] for c in cases)
     # the optional FlashAttention packages: not on this machine (where they are, their self-check's outcome)
-    assert set(checks["kernel_parity"]["optional_backends"]) == {"flash_attn", "vllm_flash_attn"}
+    assert set(checks["kernel_parity"]["optional_backends"]) == {"flash_attn", "vllm_flash_attn", "flashinfer"}
     assert all(v.startswith("not installed") for v in checks["kernel_parity"]["optional_backends"].values())
     for name in ("greedy_cpu_vs_device", "greedy_graphs_on_vs_off"):
         assert checks[name]["identical_fraction"] == 1.0 and checks[name]["all_match"]
