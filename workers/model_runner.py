@@ -60,7 +60,9 @@ class ModelRunner:
         """Capture decode-only steps for a ladder of batch sizes up to `max_batch` (the attention backend
         must be graph-safe: Triton's is, and those built on it)."""
         max_blocks = -(-max_model_len // self.block_size)
-        prepare = functools.partial(self.attn.prepare_graph_step, block_size=self.block_size)
+        prepare = None  # a backend without host work per graph step is not called (two views a step saved)
+        if type(self.attn).prepare_graph_step is not AttentionBackend.prepare_graph_step:
+            prepare = functools.partial(self.attn.prepare_graph_step, block_size=self.block_size)
         self.graphs = DecodeGraphs(self._forward, self.attn.graph_metadata, max_batch, max_blocks, self.device,
                                    capture, prepare)
 
