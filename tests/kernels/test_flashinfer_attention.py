@@ -19,16 +19,14 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from flashinfer_stand_in import stand_in  # noqa: E402
+from llm_runs import greedy_tokens  # noqa: E402
 
 from kernels import attention  # noqa: E402
 from kernels.attention import AttentionSpec, CommonAttentionMetadata, get_attention_backend  # noqa: E402
 from kernels.cpu_attention import TorchPagedAttention  # noqa: E402
 from kernels.flashinfer_attention import FlashInferPagedAttention, paged_csr  # noqa: E402
-from serving import LLM, SamplingParams  # noqa: E402
+from serving import LLM  # noqa: E402
 from workers.cuda_graphs import eager_capture  # noqa: E402
-
-PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 17, list(range(300, 303))]
-
 
 def _spec(block_size: int = 16, dtype=torch.bfloat16) -> AttentionSpec:
     return AttentionSpec(block_size=block_size, dtype=dtype, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -100,14 +98,9 @@ def test_one_plan_per_step_on_the_wrapper_of_its_kind():
         backend.forward(torch.randn(2, 4, d), k_cache.float(), v_cache.float(), metas[0], d ** -0.5)
 
 
-def _greedy(llm: LLM, max_tokens: int = 12) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> list[list[int]]:
-    return _greedy(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB"))
+    return greedy_tokens(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB"))
 
 
 @pytest.fixture
@@ -129,7 +122,7 @@ def test_engine_through_flashinfer_gives_the_torch_backends_tokens(tiny_model_di
     forwards = []
     begin_step = backend.begin_step  # the model calls it once per forward pass
     backend.begin_step = lambda meta: (forwards.append(meta), begin_step(meta))
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
     assert {kind for kind, _, _ in flashinfer.plans[checked:]} == {"decode", "prefill"}
     assert len(flashinfer.plans) - checked == len(forwards) > 10  # one plan a step, not one a layer
 
@@ -145,7 +138,7 @@ def test_decode_graphs_plan_before_each_replay(tiny_model_dir, reference, flashi
     graph_wrappers = [w for w in flashinfer.wrappers if w.graph]
     assert sorted(w.buffers["last_page_len"].shape[0] for w in graph_wrappers) == [1, 2, 4, 8]
     before = len(flashinfer.plans)
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
     replays = [p for p in flashinfer.plans[before:] if p[2]]
     assert len(replays) >= 10 and {size for _, size, _ in replays} <= {4, 8} and ("decode", 4, True) in replays
 

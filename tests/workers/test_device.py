@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llm_runs import greedy_tokens
 
 from serving import LLM, SamplingParams
 from workers.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture
@@ -15,24 +16,16 @@ from workers.sizing import gpu_kv_budget, resolve_device
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 17, list(range(300, 303))]
-
-
-def _greedy(llm: LLM, max_tokens: int = 12) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> list[list[int]]:
-    return _greedy(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB"))
+    return greedy_tokens(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB"))
 
 
 def test_triton_backend_on_cpu_gives_the_torch_backends_tokens(tiny_model_dir, reference):
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
               max_num_batched_tokens=32)  # chunks, decodes and mixed steps
     assert llm.engine.runner.attn.name == "triton"
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -63,7 +56,7 @@ def test_triton_layer_ops_in_the_model_give_the_torch_ops_tokens(tiny_model_dir,
               max_num_batched_tokens=32)
     assert llm.engine.model.ops.name == "torch"  # on the CPU the torch ops stay
     llm.engine.model.ops = TritonLayerOps()
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
     layers = len(llm.engine.model.layers)
     if fused:  # every layer of every step: the qkv projection and the gated MLP input
         assert calls and calls.count(True) == calls.count(False) and len(calls) % (2 * layers) == 0
@@ -87,7 +80,7 @@ def test_decode_graph_ladder_and_padding_replay_the_eager_tokens(tiny_model_dir,
     llm.engine.runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len,
                                            capture=counting_capture)
     assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8]
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
     assert replays and set(replays) <= {4, 8}  # 4 running requests, then fewer as none finish early: padded to 4
     assert 4 in replays
 
@@ -107,7 +100,7 @@ def test_decode_graphs_with_async_scheduling_replay_the_eager_tokens(tiny_model_
         return pending
 
     runner.launch_ahead = counted
-    assert _greedy(llm) == reference
+    assert greedy_tokens(llm) == reference
     assert len(ahead) >= 10 and 4 in ahead
 
 
