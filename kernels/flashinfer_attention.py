@@ -98,7 +98,13 @@ class FlashInferPagedAttention(TritonPagedAttention):
         """`module`: the package (default: `import flashinfer`; tests give a stand-in, on the CPU under
         Triton's interpreter)."""
         super().__init__(device)
-        self.fi = module if module is not None else importlib.import_module("flashinfer")
+        if module is None:
+            try:
+                module = importlib.import_module("flashinfer")
+            except ImportError as e:  # (an ImportError still: `auto` and the GPU check tell "not installed")
+                raise ImportError(f"the {self.name} attention backend needs the flashinfer-python package, 0.2 "
+                                  f"or later: {e}") from e
+        self.fi = module
         for cls in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
             if not hasattr(getattr(self.fi, cls, None), "plan"):
                 raise ValueError(f"{self.name} needs the package's {cls}.plan (flashinfer 0.2 or later)")

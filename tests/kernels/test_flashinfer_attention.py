@@ -148,6 +148,8 @@ def test_auto_takes_flashinfer_after_flashattention_before_triton(monkeypatch):
     monkeypatch.setitem(attention._AUTO, "cpu", ("flashinfer", "torch"))
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
     assert get_attention_backend("auto", "cpu", _spec()).name == "torch"
+    with pytest.raises(ImportError, match="needs the flashinfer-python package"):
+        get_attention_backend("flashinfer", "cpu", _spec())
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in(wrong=True))
     assert get_attention_backend("auto", "cpu", _spec()).name == "torch"
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in())
