@@ -2,8 +2,11 @@
 table, from the `flash_attn` package or vLLM's build of it (`vllm_flash_attn`). Neither is a dependency
 (`flash-attn` builds against one torch and one CUDA; `vllm-flash-attn`'s only release pins torch 2.4), so
 each is used only where it imports and passes a self-check on this device: `get_attention_backend` with an
-`AttentionSpec` runs a small paged case (prompt chunks beside decodes, grouped heads) through it and the
-torch backend and refuses it unless they agree; `auto` on CUDA tries these first, then Triton.
+`AttentionSpec` runs two small paged cases (prompt chunks beside decodes, then decodes alone; grouped heads)
+through it and the torch backend and refuses it unless they agree; `auto` on CUDA tries these first, then
+FlashInfer, then Triton. Upstream's decode-only steps go through its decode function, `flash_attn_with_kvcache`
+(with the same block table), which splits long contexts across programs; vLLM's build, as vLLM does, takes
+its varlen function for every step.
 
 The caches keep the engine's layout, `[num_blocks, block_size, kv_heads, head_dim]`, which is FlashAttention's
 paged layout. Upstream FlashAttention 2 takes blocks of a multiple of 256 tokens only (the engine's default is
@@ -36,11 +39,14 @@ class FlashAttnMetadata(TritonAttentionMetadata):
 
 
 class FlashAttnPagedAttention(TritonPagedAttention):
-    """`flash_attn.flash_attn_varlen_func` over the paged caches (see the module docstring)."""
+    """`flash_attn.flash_attn_varlen_func` over the paged caches (see the module docstring); decode-only steps
+    through `flash_attn_with_kvcache`, the package's decode kernel (it splits each sequence's keys across
+    programs when the batch is too small to fill the GPU)."""
 
     name = "flash_attn"
     module_names: tuple[str, ...] = ("flash_attn",)
     block_multiple = 256  # upstream FlashAttention 2's paged KV cache takes blocks of a multiple of 256 tokens
+    decode_kernel = "flash_attn_with_kvcache"  # the decode-only steps' function, where the package has it
 
     def __init__(self, device: torch.device | str = "cuda", module: ModuleType | None = None) -> None:
         """`module`: the package's module (default: the first of `module_names` that imports; tests give a
@@ -51,6 +57,7 @@ class FlashAttnPagedAttention(TritonPagedAttention):
         # each sequence's context as its length where the function takes that (vLLM's newer builds), else
         # as cumulative lengths (upstream's, and vLLM's 2.6 release)
         self.seqused = "seqused_k" in inspect.signature(self.varlen).parameters
+        self.with_kvcache = getattr(self.fa, self.decode_kernel, None) if self.decode_kernel else None
         self._step: tuple | None = None  # (meta, int32 block tables, cumulative query and context lengths, lengths)
 
     def check(self, spec: AttentionSpec) -> None:
@@ -83,6 +90,10 @@ class FlashAttnPagedAttention(TritonPagedAttention):
             self.begin_step(meta)
         _, tables, cu_q, cu_k, seq_lens = self._step
         num_tokens, num_seqs = query.shape[0], meta.seq_lens.shape[0]
+        if num_tokens == num_seqs and self.with_kvcache is not None:  # decode-only: [batch, 1 query, heads, dim]
+            out = self.with_kvcache(query.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens, block_table=tables,
+                                    softmax_scale=scale, causal=True)
+            return out.squeeze(1)
         if isinstance(meta, FlashAttnMetadata):
             max_q, max_k = meta.max_query_len, meta.max_seq_len
         else:  # a graph's buffers: decode steps, contexts up to the table's width
@@ -99,6 +110,7 @@ class VllmFlashAttnPagedAttention(FlashAttnPagedAttention):
     name = "vllm_flash_attn"
     module_names = ("vllm_flash_attn", "vllm.vllm_flash_attn")
     block_multiple = 16
+    decode_kernel = ""  # vLLM calls its varlen function for every step, decodes included (it splits keys too)
 
 
 def _import_first(names: tuple[str, ...]) -> ModuleType:
@@ -111,17 +123,19 @@ def _import_first(names: tuple[str, ...]) -> ModuleType:
     return importlib.import_module(names[-1])
 
 
-# the self-check's case: (new tokens, context with them) per sequence: a prompt chunk, decodes, a chunk past a block
-SELF_CHECK_BATCH = ((7, 7), (1, 41), (1, 2), (5, 305), (1, 258))
+# the self-check's cases: (new tokens, context with them) per sequence: a prompt chunk, decodes, a chunk past a
+# block; then a decode-only step (which a backend may run through another kernel)
+SELF_CHECK_BATCHES = (((7, 7), (1, 41), (1, 2), (5, 305), (1, 258)), ((1, 41), (1, 2), (1, 258), (1, 17)))
 
 
 def self_check(backend, spec: AttentionSpec, device: torch.device, seed: int = 0) -> None:
-    """Run `SELF_CHECK_BATCH` through `backend` (its K/V store and attention) and through the torch backend
+    """Run `SELF_CHECK_BATCHES` through `backend` (its K/V store and attention) and through the torch backend
     (`attention_check.paged_difference`), in `spec`'s dtype, heads and block size; raise ValueError unless they
     agree to the dtype's rounding."""
-    diff = paged_difference(backend, device, spec.dtype, spec.block_size, spec.num_heads, spec.num_kv_heads,
-                            spec.head_dim, SELF_CHECK_BATCH, seed)
     tolerance = 2e-2 if spec.dtype == torch.bfloat16 else 4e-3
-    if not diff <= tolerance:  # (a NaN fails too)
-        raise ValueError(f"{backend.name} failed its self-check: {diff:.3g} from the torch backend (tolerance "
-                         f"{tolerance})")
+    for batch in SELF_CHECK_BATCHES:
+        diff = paged_difference(backend, device, spec.dtype, spec.block_size, spec.num_heads, spec.num_kv_heads,
+                                spec.head_dim, batch, seed)
+        if not diff <= tolerance:  # (a NaN fails too)
+            raise ValueError(f"{backend.name} failed its self-check: {diff:.3g} from the torch backend (tolerance "
+                             f"{tolerance}) on {len(batch)} sequences of (new tokens, context) {batch}")

@@ -57,6 +57,8 @@ class _Wrapper:
         for i in range(last.shape[0]):
             pages = indices[indptr[i]:indptr[i + 1]].long()
             n = (pages.shape[0] - 1) * p["page_size"] + int(last[i])
+            if self.module.wrong_decode and self.kind == "decode":
+                n = max(n - 1, 1)  # a broken decode kernel: each sequence's last key left out
             assert 1 <= int(last[i]) <= p["page_size"]
             keys = k[pages].reshape(-1, p["kv_heads"], p["head_dim"])[:n].float().repeat_interleave(group, 1)
             values = v[pages].reshape(-1, p["kv_heads"], p["head_dim"])[:n].float().repeat_interleave(group, 1)
@@ -126,11 +128,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         return self._attend(q, paged_kv_cache, p["qo_indptr"], p["causal"])
 
 
-def stand_in(wrong: bool = False, old_api: bool = False) -> ModuleType:
-    """A `flashinfer` module; `wrong`: its prefill ignores the causal mask (a broken build); `old_api`: wrappers
-    with `begin_forward` / `forward` only (before 0.2)."""
+def stand_in(wrong: bool = False, old_api: bool = False, wrong_decode: bool = False) -> ModuleType:
+    """A `flashinfer` module; `wrong`: its prefill ignores the causal mask (a broken build); `wrong_decode`: its
+    decode leaves out each sequence's last key; `old_api`: wrappers with `begin_forward` / `forward` only
+    (before 0.2)."""
     module = ModuleType("flashinfer")
-    module.wrong, module.plans, module.wrappers = wrong, [], []
+    module.wrong, module.wrong_decode, module.plans, module.wrappers = wrong, wrong_decode, [], []
     for base in (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper):
         if old_api:
             cls = type(base.__name__, (), {"begin_forward": base.plan, "forward": base.run})

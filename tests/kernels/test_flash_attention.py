@@ -27,11 +27,11 @@ from kernels.flash_attention import (FlashAttnMetadata, FlashAttnPagedAttention,
                                      VllmFlashAttnPagedAttention)
 from kernels.triton_attention import TritonAttentionMetadata  # noqa: E402
 
-def stand_in(api: str, block_multiple: int, wrong: bool = False) -> ModuleType:
+def stand_in(api: str, block_multiple: int, wrong: bool = False, wrong_decode: bool = False) -> ModuleType:
     """A module whose `flash_attn_varlen_func` has the signature of `api` ("upstream": FlashAttention 2's,
     cumulative context lengths; "vllm": vLLM's newer builds', context lengths as `seqused_k`) and computes what
     the package documents, refusing arguments off its contract; `wrong`: it ignores the causal mask (a broken
-    build)."""
+    build); `wrong_decode`: its decode function (`flash_attn_with_kvcache`) leaves out each sequence's last key."""
     module = ModuleType(f"stand_in_{api}")
     module.calls = []
 
@@ -40,7 +40,6 @@ def stand_in(api: str, block_multiple: int, wrong: bool = False) -> ModuleType:
         assert table.dtype == cu_q.dtype == lens.dtype == torch.int32 and table.dim() == 2 and causal
         assert k.dim() == 4 and k.shape == v.shape and k.shape[1] % block_multiple == 0 and q.dim() == 3
         assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
-        module.calls.append((max_seqlen_q, max_seqlen_k))
         bs, kvh, d = k.shape[1:]
         group = q.shape[1] // kvh
         out = torch.empty_like(q)
@@ -62,6 +61,7 @@ def stand_in(api: str, block_multiple: int, wrong: bool = False) -> ModuleType:
                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
             assert cu_seqlens_k.dtype == torch.int32 and cu_seqlens_k[0] == 0
+            module.calls.append((max_seqlen_q, max_seqlen_k))
             return attend(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_table,
                           cu_seqlens_k.diff())
     else:
@@ -70,10 +70,30 @@ def stand_in(api: str, block_multiple: int, wrong: bool = False) -> ModuleType:
                                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
                                    block_table=None, out=None):
             assert cu_seqlens_k is None and seqused_k is not None  # with a block table, as vLLM calls it
+            module.calls.append((max_seqlen_q, max_seqlen_k))
             return attend(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_table,
                           seqused_k)
 
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+        """Queries [batch, seqlen_q, heads, dim] against each sequence's `cache_seqlens` keys through
+        `block_table` (nothing appended: k, v None)."""
+        assert q.dim() == 4 and k is None and v is None and cache_seqlens.dtype == torch.int32
+        batch, seqlen_q = q.shape[:2]
+        assert cache_seqlens.shape == (batch,) and block_table.shape[0] == batch
+        module.kvcache_calls.append(batch)
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32)
+        if wrong_decode:
+            cache_seqlens = (cache_seqlens - 1).clamp(min=1)
+        flat = attend(q.reshape(batch * seqlen_q, *q.shape[2:]), k_cache, v_cache, cu_q, seqlen_q,
+                      int(cache_seqlens.max()), softmax_scale, causal, block_table, cache_seqlens)
+        return flat.view(q.shape)
+
     module.flash_attn_varlen_func = flash_attn_varlen_func
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    module.kvcache_calls = []
     return module
 
 
@@ -92,7 +112,12 @@ def test_each_package_passes_its_self_check_where_it_serves(cls, api, block_size
     fa = stand_in(api, cls.block_multiple)
     backend = cls("cpu", module=fa)
     backend.check(_spec(block_size, dtype))
-    assert fa.calls and all(q == 7 and k == 305 for q, k in fa.calls)  # the step's own longest query and context
+    # the mixed step through the varlen function, bounded by its own longest query and context; the decode-only
+    # step through upstream's decode function (vLLM's build: varlen again, as vLLM calls it)
+    if cls is FlashAttnPagedAttention:
+        assert fa.calls == [(7, 305)] and fa.kvcache_calls == [4]
+    else:
+        assert fa.calls == [(7, 305), (1, 258)] and not fa.kvcache_calls
 
 
 def test_what_a_package_does_not_take_is_refused_by_name():
@@ -109,6 +134,10 @@ def test_a_wrong_kernel_fails_the_self_check():
     backend = VllmFlashAttnPagedAttention("cpu", module=stand_in("vllm", 16, wrong=True))
     with pytest.raises(ValueError, match="vllm_flash_attn failed its self-check"):
         backend.check(_spec(16))
+    # a wrong decode kernel: only decode-only steps take it, so the self-check's decode-only case finds it
+    backend = FlashAttnPagedAttention("cpu", module=stand_in("upstream", 256, wrong_decode=True))
+    with pytest.raises(ValueError, match=r"flash_attn failed its self-check.*\(\(1, 41\)"):
+        backend.check(_spec(256))
 
 
 def test_a_steps_tables_are_made_once_and_a_graphs_buffers_give_bounds():
@@ -138,6 +167,35 @@ def test_a_steps_tables_are_made_once_and_a_graphs_buffers_give_bounds():
     reference = TorchPagedAttention("cpu")
     want = reference.forward(query, k_cache, v_cache, reference.build_metadata(common), 0.2)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_upstreams_decode_steps_take_its_decode_function():
+    """A decode-only step, eager or a graph's (the Triton metadata over its buffers), goes through
+    `flash_attn_with_kvcache` (one query per sequence, the context lengths and block table); a step with a
+    prompt chunk through the varlen function."""
+    fa = stand_in("upstream", 256)
+    backend = FlashAttnPagedAttention("cpu", module=fa)
+    bs, kvh, d = 256, 2, 32
+    k_cache = torch.randn(4, bs, kvh, d, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    reference = TorchPagedAttention("cpu")
+    decode = CommonAttentionMetadata(torch.tensor([1, 1]), torch.tensor([0, 1, 2]), torch.tensor([300, 3]),
+                                     torch.tensor([[3, 1], [2, 0]]), torch.tensor([bs + 43, 2 * bs + 2]), bs, 4, kvh)
+    query = torch.randn(2, 4, d, dtype=torch.bfloat16)
+    meta = backend.build_metadata(decode)
+    graph_meta = TritonAttentionMetadata(meta.slot_mapping, torch.zeros(2, 3, dtype=torch.long), meta.seq_lens,
+                                         meta.query_start_loc)
+    graph_meta.block_tables[:, :2] = meta.block_tables
+    want = reference.forward(query, k_cache, v_cache, reference.build_metadata(decode), 0.2)
+    for m in (meta, graph_meta):
+        out = backend.forward(query, k_cache, v_cache, m, 0.2)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert fa.kvcache_calls == [2, 2] and not fa.calls
+    mixed = CommonAttentionMetadata(torch.tensor([1, 3]), torch.tensor([0, 1, 4]), torch.tensor([300, 3]),
+                                    torch.tensor([[3, 1], [2, 0]]), torch.tensor([bs + 43, 2 * bs, 2 * bs + 1,
+                                                                                  2 * bs + 2]), bs, 4, kvh)
+    backend.forward(torch.randn(4, 4, d, dtype=torch.bfloat16), k_cache, v_cache, backend.build_metadata(mixed), 0.2)
+    assert fa.calls == [(3, 300)] and fa.kvcache_calls == [2, 2]
 
 
 def test_auto_takes_the_first_package_that_passes_else_the_next(monkeypatch):

@@ -50,11 +50,12 @@ def test_pages_as_csr():
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_passes_its_self_check(block_size, dtype):
-    """The self-check's paged case (prompt chunks beside decodes, a chunk past a block) agrees with the torch
-    backend: planned once, on the prefill wrapper (a mixed step), in the spec's dtype and heads."""
+    """The self-check's paged cases agree with the torch backend: a mixed step (prompt chunks beside decodes, a
+    chunk past a block) planned once on the prefill wrapper, a decode-only one on the decode wrapper, in the
+    spec's dtype and heads."""
     fi = stand_in()
     FlashInferPagedAttention("cpu", module=fi).check(_spec(block_size, dtype))
-    assert fi.plans == [("prefill", 5, False)]
+    assert fi.plans == [("prefill", 5, False), ("decode", 4, False)]
     planned = fi.wrappers[0].planned
     assert (planned["q_dtype"], planned["heads"], planned["kv_heads"], planned["page_size"]) == (dtype, 4, 2,
                                                                                                 block_size)
@@ -67,6 +68,8 @@ def test_what_it_does_not_take_is_refused_by_name():
         FlashInferPagedAttention("cpu", module=stand_in(old_api=True))
     with pytest.raises(ValueError, match="flashinfer failed its self-check"):
         FlashInferPagedAttention("cpu", module=stand_in(wrong=True)).check(_spec())
+    with pytest.raises(ValueError, match=r"flashinfer failed its self-check.*\(\(1, 41\)"):  # the decode-only case
+        FlashInferPagedAttention("cpu", module=stand_in(wrong_decode=True)).check(_spec())
 
 
 def test_one_plan_per_step_on_the_wrapper_of_its_kind():
