@@ -46,6 +46,7 @@ class FlashAttnPagedAttention(TritonPagedAttention):
     name = "flash_attn"
     module_names: tuple[str, ...] = ("flash_attn",)
     block_multiple = 256  # upstream FlashAttention 2's paged KV cache takes blocks of a multiple of 256 tokens
+    dtypes = (torch.float16, torch.bfloat16)
     decode_kernel = "flash_attn_with_kvcache"  # the decode-only steps' function, where the package has it
 
     def __init__(self, device: torch.device | str = "cuda", module: ModuleType | None = None) -> None:
@@ -61,16 +62,10 @@ class FlashAttnPagedAttention(TritonPagedAttention):
         self._step: tuple | None = None  # (meta, int32 block tables, cumulative query and context lengths, lengths)
 
     def check(self, spec: AttentionSpec) -> None:
-        """Raise ValueError unless this backend serves `spec`: what the package takes, then the self-check."""
-        if spec.block_size % self.block_multiple:
-            raise ValueError(f"{self.name} needs a block size that is a multiple of {self.block_multiple}, "
-                             f"got {spec.block_size}")
-        if spec.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{self.name} runs float16 and bfloat16, not {spec.dtype}")
-        if spec.head_dim % 8 or spec.head_dim > 256 or spec.num_heads % spec.num_kv_heads:
-            raise ValueError(f"{self.name} needs a head_dim that is a multiple of 8 up to 256 and whole query "
-                             f"groups, got head_dim {spec.head_dim}, {spec.num_heads} / {spec.num_kv_heads} heads")
-        self_check(self, spec, self.device)
+        """Raise ValueError unless this backend serves `spec`: its head_dim, then `check_package`."""
+        if spec.head_dim % 8 or spec.head_dim > 256:
+            raise ValueError(f"{self.name} needs a head_dim that is a multiple of 8 up to 256, got {spec.head_dim}")
+        check_package(self, spec)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
         base = super().build_metadata(common)
@@ -128,14 +123,23 @@ def _import_first(names: tuple[str, ...]) -> ModuleType:
 SELF_CHECK_BATCHES = (((7, 7), (1, 41), (1, 2), (5, 305), (1, 258)), ((1, 41), (1, 2), (1, 258), (1, 17)))
 
 
-def self_check(backend, spec: AttentionSpec, device: torch.device, seed: int = 0) -> None:
-    """Run `SELF_CHECK_BATCHES` through `backend` (its K/V store and attention) and through the torch backend
-    (`attention_check.paged_difference`), in `spec`'s dtype, heads and block size; raise ValueError unless they
-    agree to the dtype's rounding."""
+def check_package(backend, spec: AttentionSpec, seed: int = 0) -> None:
+    """An optional package's backend against `spec`: raise ValueError unless the block size is a multiple of
+    its `block_multiple`, the dtype among its `dtypes` and the query heads whole groups, and unless it agrees
+    with the torch backend to the dtype's rounding on `SELF_CHECK_BATCHES`, run through its own K/V store and
+    attention in `spec`'s dtype, heads and block size (`attention_check.paged_difference`)."""
+    if spec.block_size % backend.block_multiple:
+        raise ValueError(f"{backend.name} needs a block size that is a multiple of {backend.block_multiple}, "
+                         f"got {spec.block_size}")
+    if spec.dtype not in backend.dtypes:
+        names = " and ".join(str(d).removeprefix("torch.") for d in backend.dtypes)
+        raise ValueError(f"{backend.name} runs {names}, not {spec.dtype}")
+    if spec.num_heads % spec.num_kv_heads:
+        raise ValueError(f"{backend.name} needs whole query groups, got {spec.num_heads} / {spec.num_kv_heads} heads")
     tolerance = 2e-2 if spec.dtype == torch.bfloat16 else 4e-3
     for batch in SELF_CHECK_BATCHES:
-        diff = paged_difference(backend, device, spec.dtype, spec.block_size, spec.num_heads, spec.num_kv_heads,
-                                spec.head_dim, batch, seed)
+        diff = paged_difference(backend, backend.device, spec.dtype, spec.block_size, spec.num_heads,
+                                spec.num_kv_heads, spec.head_dim, batch, seed)
         if not diff <= tolerance:  # (a NaN fails too)
             raise ValueError(f"{backend.name} failed its self-check: {diff:.3g} from the torch backend (tolerance "
                              f"{tolerance}) on {len(batch)} sequences of (new tokens, context) {batch}")

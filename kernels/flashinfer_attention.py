@@ -1,7 +1,7 @@
 """FlashInfer's paged attention as an optional CUDA attention backend (`flashinfer`, 0.2 and later: the
 wrappers' `plan` / `run`). Not a dependency (its kernels are built for one torch and one CUDA, or compiled
 at first use), so it is used only where it imports and passes the self-check that the FlashAttention
-backends run (`kernels/flash_attention.self_check`); `auto` on CUDA tries it after them, before Triton.
+backends run (`kernels/flash_attention.check_package`); `auto` on CUDA tries it after them, before Triton.
 
 FlashInfer splits a step in two: `plan`, on the host, once per step (the pages of each sequence as a CSR
 array, `indptr` and `indices`, and the keys in each sequence's last page; it schedules the kernel's work and
@@ -24,14 +24,14 @@ page indices handed over on the device (from the host, a graph wrapper copies th
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from kernels.attention import AttentionSpec, CommonAttentionMetadata
-from kernels.flash_attention import self_check
+from kernels.flash_attention import check_package
 from kernels.triton_attention import TritonAttentionMetadata, TritonPagedAttention
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partial results), shared
@@ -42,7 +42,7 @@ class PagedCSR:
     """A step's pages as FlashInfer plans them: int32, `indptr` and `last_page_len` on the host, `indices` on
     the cache's device."""
 
-    qo_indptr: torch.Tensor  # [num_seqs + 1]
+    qo_indptr: torch.Tensor | None  # [num_seqs + 1], for the prefill wrapper (None for a decode-only step)
     indptr: torch.Tensor  # [num_seqs + 1]: sequence i's pages are indices[indptr[i]:indptr[i + 1]]
     indices: torch.Tensor  # [indptr[-1]]
     last_page_len: torch.Tensor  # [num_seqs]: keys in each sequence's last page, 1..block_size
@@ -63,15 +63,15 @@ class FlashInferGraphMetadata(TritonAttentionMetadata):
     and the pages it was last planned on."""
 
     csr: PagedCSR | None = None
-    wrapper: object = None
+    wrapper: object = None  # it holds its fixed buffers
     planned: bool = False
-    buffers: dict = field(default_factory=dict)  # the wrapper's fixed buffers (it holds them too)
 
 
-def paged_csr(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+def paged_csr(query_start_loc: torch.Tensor | None, context_lens: torch.Tensor, block_tables: torch.Tensor,
               block_size: int, device: torch.device) -> PagedCSR:
     """The pages of each sequence (`context_lens` keys through its row of `block_tables`) as FlashInfer's
-    CSR arrays, from host tensors (in numpy: 38 us at batch 256 on this CPU, where torch's small ops took 102)."""
+    CSR arrays, from host tensors (in numpy: 38 us at batch 256 on this CPU, where torch's small ops took 102);
+    `query_start_loc` None: a decode-only step (a graph's)."""
     ctx = context_lens.numpy()
     num_seqs = ctx.shape[0]
     pages = (ctx + block_size - 1) // block_size
@@ -81,19 +81,23 @@ def paged_csr(query_start_loc: torch.Tensor, context_lens: torch.Tensor, block_t
     if width > block_tables.shape[1]:
         raise ValueError(f"block tables of {block_tables.shape[1]} blocks do not hold {width} pages")
     used = np.arange(width) < pages[:, None]
-    arrays = [query_start_loc.numpy().astype(np.int32), indptr, block_tables.numpy()[:, :width][used].astype(np.int32),
+    decode = query_start_loc is None or int(query_start_loc[-1]) == num_seqs
+    arrays = [indptr, block_tables.numpy()[:, :width][used].astype(np.int32),
               (ctx - (pages - 1) * block_size).astype(np.int32)]
-    qo, indptr_t, indices, last = (torch.from_numpy(a) for a in arrays)
-    decode = int(query_start_loc[-1]) == num_seqs
+    if not decode:  # the query offsets: the prefill wrapper's only
+        arrays.append(query_start_loc.numpy().astype(np.int32))
+    host = [torch.from_numpy(a) for a in arrays]
     if device.type == "cuda":  # through pinned memory, without waiting for the step in flight
-        qo, indptr_t, last, indices = qo.pin_memory(), indptr_t.pin_memory(), last.pin_memory(), indices.pin_memory()
-    return PagedCSR(qo, indptr_t, indices.to(device, non_blocking=True), last, decode)
+        host = [t.pin_memory() for t in host]
+    indptr_t, indices, last, *qo = host
+    return PagedCSR(qo[0] if qo else None, indptr_t, indices.to(device, non_blocking=True), last, decode)
 
 
 class FlashInferPagedAttention(TritonPagedAttention):
     """`flashinfer`'s batch decode and prefill wrappers over the paged caches (see the module docstring)."""
 
     name = "flashinfer"
+    block_multiple = 1  # any block size
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, device: torch.device | str = "cuda", module: ModuleType | None = None) -> None:
@@ -117,12 +121,8 @@ class FlashInferPagedAttention(TritonPagedAttention):
         self._params: tuple | None = None  # (heads, kv heads, head_dim, block size, q dtype, kv dtype, scale)
 
     def check(self, spec: AttentionSpec) -> None:
-        """Raise ValueError unless this backend serves `spec`: what FlashInfer takes, then the self-check."""
-        if spec.dtype not in self.dtypes:
-            raise ValueError(f"{self.name} runs float16 and bfloat16, not {spec.dtype}")
-        if spec.num_heads % spec.num_kv_heads:
-            raise ValueError(f"{self.name} needs whole query groups, got {spec.num_heads} / {spec.num_kv_heads} heads")
-        self_check(self, spec, self.device)
+        """Raise ValueError unless this backend serves `spec` (`check_package`)."""
+        check_package(self, spec)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         base = super().build_metadata(common)
@@ -138,8 +138,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
         """Plan a captured size's wrapper on the padded step's host tables (before its replay, and before its
         capture: there, before the first step, the warm-up's first layer plans it, learning the heads and
         dtypes)."""
-        n = seq_lens.shape[0]
-        meta.csr = paged_csr(torch.arange(n + 1), seq_lens, block_tables, block_size, self.device)
+        meta.csr = paged_csr(None, seq_lens, block_tables, block_size, self.device)
         meta.planned = False
         if self._params is not None:
             self._plan_graph(meta)
@@ -164,8 +163,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
                 self._plan(wrapper, meta.csr, meta)
         return wrapper.run(query, (k_cache, v_cache))
 
-    def _new_wrapper(self, decode: bool, graph_batch: int = 0, graph_pages: int = 0,
-                     buffers: dict | None = None):
+    def _new_wrapper(self, decode: bool, graph_batch: int = 0, graph_pages: int = 0):
         if self._workspace is None:
             size = WORKSPACE_BYTES if self.device.type == "cuda" else 1 << 16  # off CUDA: a stand-in's
             self._workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
@@ -175,13 +173,13 @@ class FlashInferPagedAttention(TritonPagedAttention):
         tensor_cores = heads // kv_heads > 4  # vLLM's choice: the prefill kernels for wide query groups
         if not graph_batch:
             return self.fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=tensor_cores)
-        buffers.update(indptr=torch.zeros(graph_batch + 1, dtype=torch.int32, device=self.device),
-                       indices=torch.zeros(graph_pages, dtype=torch.int32, device=self.device),
-                       last=torch.zeros(graph_batch, dtype=torch.int32, device=self.device))
+        def buffer(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
         return self.fi.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-            paged_kv_indptr_buffer=buffers["indptr"], paged_kv_indices_buffer=buffers["indices"],
-            paged_kv_last_page_len_buffer=buffers["last"])
+            paged_kv_indptr_buffer=buffer(graph_batch + 1), paged_kv_indices_buffer=buffer(graph_pages),
+            paged_kv_last_page_len_buffer=buffer(graph_batch))
 
     def _eager_wrapper(self, decode: bool):
         wrapper = self._eager.get(decode)
@@ -192,7 +190,7 @@ class FlashInferPagedAttention(TritonPagedAttention):
     def _plan_graph(self, meta: FlashInferGraphMetadata) -> None:
         if meta.wrapper is None:
             batch, width = meta.block_tables.shape
-            meta.wrapper = self._new_wrapper(True, batch, batch * width, meta.buffers)
+            meta.wrapper = self._new_wrapper(True, batch, batch * width)
         self._plan(meta.wrapper, meta.csr, meta)
         meta.planned = True
 

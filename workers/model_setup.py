@@ -28,8 +28,8 @@ def build_model(config: EngineConfig, files: list[str], hf_config, dtype: torch.
     spec = AttentionSpec(config.block_size, dtype, model.part.num_heads, model.part.num_kv_heads, model.args.head_dim)
     attn = get_attention_backend(config.attention_backend, device, spec)
     # The compiled layer ops come from the same build as the compiled attention: both or neither. On a GPU
-    # the Triton attention (and FlashAttention's, which stores K/V with it) comes with the Triton layer ops
-    # (one kernel per norm, rotary and SiLU-and-mul; the fused norms and matmuls).
+    # the Triton attention (and FlashAttention's and FlashInfer's, which store K/V with it) comes with the
+    # Triton layer ops (one kernel per norm, rotary and SiLU-and-mul; the fused norms and matmuls).
     if attn.triton_layer_ops and device.type == "cuda":
         from kernels.triton_layer_ops import TritonLayerOps
 

@@ -19,22 +19,22 @@ def attention_case(device: torch.device, dtype: torch.dtype, block_size: int, he
 
 def optional_backends(device: torch.device) -> dict[str, str]:
     """Whether each optional attention package (`kernels/flash_attention.py`, `kernels/flashinfer_attention.py`)
-    is on this machine and passes its self-check at SmolLM2-135M's heads in bfloat16, at its smallest block
-    size (16 for FlashInfer, the engine's default): what `auto` would take."""
+    is on this machine and passes its self-check at SmolLM2-135M's heads in bfloat16, at the smallest block
+    size it takes from the engine's default (16) up: what `auto` would take."""
     from kernels.attention import AttentionSpec
     from kernels.flash_attention import FlashAttnPagedAttention, VllmFlashAttnPagedAttention
+    from kernels.flashinfer_attention import FlashInferPagedAttention
 
     found = {}
-    candidates = [(cls.name, cls.block_multiple) for cls in (VllmFlashAttnPagedAttention, FlashAttnPagedAttention)]
-    for name, block_size in candidates + [("flashinfer", 16)]:
-        spec = AttentionSpec(block_size, torch.bfloat16, 9, 3, 64)
+    for cls in (VllmFlashAttnPagedAttention, FlashAttnPagedAttention, FlashInferPagedAttention):
+        block_size = -(-16 // cls.block_multiple) * cls.block_multiple
         try:
-            get_attention_backend(name, device, spec)
-            found[name] = f"passed its self-check at block size {block_size}"
+            get_attention_backend(cls.name, device, AttentionSpec(block_size, torch.bfloat16, 9, 3, 64))
+            found[cls.name] = f"passed its self-check at block size {block_size}"
         except ImportError as e:
-            found[name] = f"not installed ({e})"
+            found[cls.name] = f"not installed ({e})"
         except Exception as e:
-            found[name] = f"not used: {type(e).__name__}: {e}"
+            found[cls.name] = f"not used: {type(e).__name__}: {e}"
     return found
 
 
