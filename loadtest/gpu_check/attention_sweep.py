@@ -4,23 +4,26 @@ A batch-256 decode step of SmolLM2-135M's shape on an H200 spent ~0.55 ms of its
 the paged attention (30 launches reading the KV at 1.1-1.4 TB/s, a third of the copy bandwidth): each program
 walks ~200 keys of one sequence 32 at a time, one dependent gather after another. This section times the
 kernel over the same shape (256 sequences of 128-256 tokens, 9 query / 3 KV heads of 64, bf16, blocks of 16
-scattered over the cache) for each `LaunchConfig` of a small grid, checks each one's output against the
-default's, and reports the K/V bytes read per second against the copy bandwidth. The fastest, if it beats the
-default by `APPLY_GAIN`, is set as `DECODE_CONFIG` for the sections after it, so that the throughput section
-measures the engine with it (the JSON says which config each measured). Then one sequence's step (a single
-stream) is timed with that config and with automatic splits (`num_splits=0`, which leave a full batch as it
-is), and the splits are kept if they are that much faster. Last, that config with programmatic dependent
-launch and without (`_pdl`)."""
+scattered over the cache) as a decode step runs it: one launch per layer, each over its own layer's cache
+(30, 1.1 GB in all, more than the GPU's L2 holds), captured in one CUDA graph and timed over its replays
+(`timing.time_captured`: launched one by one from Python, the host would set the pace). For each
+`LaunchConfig` of a small grid it checks the outputs against the default's, and reports the time per launch
+and the K/V bytes read per second against the copy bandwidth. The fastest, if it beats the default by
+`APPLY_GAIN`, is set as `DECODE_CONFIG` for the sections after it, so that the throughput section measures
+the engine with it (the JSON says which config each measured). Then one sequence's step (a single stream) is
+timed with that config and with automatic splits (`num_splits=0`, which leave a full batch as it is), and the
+splits are kept if they are that much faster. Last, that config with programmatic dependent launch and
+without (`_pdl`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 
 import torch
 
 from loadtest.gpu_check.plan import Plan, TOLERANCE
+from loadtest.gpu_check.timing import time_captured
 
 APPLY_GAIN = 1.1
 PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
@@ -36,7 +39,8 @@ GRID_DRY = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
 
 def _inputs(plan: Plan, device: torch.device, seed: int = 0, batch: int | None = None) -> dict:
     """A decode batch (`plan.batch` sequences unless given) over a cache whose blocks are handed out in a
-    shuffled order, as a busy pool does."""
+    shuffled order, as a busy pool does; the cache repeated for each of `plan.sweep_layers` layers, at their
+    own addresses, as a step reads them."""
     heads, kv_heads, head_dim = (9, 3, 64) if not plan.dry_run else (4, 2, 32)
     batch = plan.batch if batch is None else batch
     low, high = plan.prompt_len, plan.prompt_len + plan.output_len
@@ -52,31 +56,17 @@ def _inputs(plan: Plan, device: torch.device, seed: int = 0, batch: int | None =
     for i, n in enumerate(blocks_per_seq.tolist()):
         tables[i, :n] = order[at:at + n]
         at += n
-    dtype = torch.bfloat16
-    k = torch.randn(total, block_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(total, block_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    dtype, layers = torch.bfloat16, plan.sweep_layers
+
+    def cache() -> torch.Tensor:  # [layers, blocks, block_size, kv_heads, head_dim]
+        one = torch.randn(total, block_size, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        return one.unsqueeze(0).repeat(layers, 1, 1, 1, 1)
+
+    k, v = cache(), cache()
     q = torch.randn(batch, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return {"query": q, "k_cache": k, "v_cache": v, "block_tables": tables.to(device),
             "seq_lens": lens.to(device), "query_start_loc": torch.arange(batch + 1, device=device),
             "kv_bytes": int(lens.sum()) * 2 * kv_heads * head_dim * 2, "context_tokens": int(lens.sum())}
-
-
-def time_calls(fn, device: torch.device, repeats: int) -> float:
-    """Seconds per call of `fn` after one call to warm up: CUDA events around the calls on a GPU."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3 / repeats
-    start_s = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start_s) / repeats
 
 
 def sweep_configs(dry_run: bool) -> list:
@@ -100,12 +90,12 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     scale = x["query"].shape[-1] ** -0.5
     default = ta.DECODE_CONFIG
 
-    def launch(config: ta.LaunchConfig, x: dict = x) -> torch.Tensor:
-        out = torch.empty_like(x["query"])
-        return ta.paged_attention(x["query"], x["k_cache"], x["v_cache"], out, x["block_tables"], x["seq_lens"],
-                                  x["query_start_loc"], scale, config)
+    def launch(config: ta.LaunchConfig, x: dict = x) -> list[torch.Tensor]:
+        """A step's attention: one launch per layer, each over its own layer's cache."""
+        return [ta.paged_attention(x["query"], k, v, torch.empty_like(x["query"]), x["block_tables"], x["seq_lens"],
+                                   x["query_start_loc"], scale, config) for k, v in zip(x["k_cache"], x["v_cache"])]
 
-    reference = launch(default).float()
+    reference = launch(default)
     configs = sweep_configs(plan.dry_run)
     if default not in configs:
         configs.insert(0, default)
@@ -113,8 +103,8 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     for config in configs:
         row: dict = {"config": dataclasses.asdict(config)}
         try:
-            diff = (launch(config).float() - reference).abs().max().item()
-            seconds = time_calls(lambda: launch(config), device, repeats if not plan.dry_run else 1)
+            seconds, outs = _per_launch(plan, device, launch, config, x, repeats)
+            diff = _max_diff(outs, reference)
             row |= {"max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"], "us": seconds * 1e6,
                     "kv_gb_s": x["kv_bytes"] / seconds / 1e9, "of_copy_bandwidth": x["kv_bytes"] / seconds / bandwidth}
         except Exception as e:  # a config that does not compile or launch here
@@ -128,31 +118,43 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         applied = best["config"]
         ta.DECODE_CONFIG = ta.LaunchConfig(**applied)
     one = _one_sequence(plan, device, launch, ta.DECODE_CONFIG, repeats)
-    pdl = _pdl(plan, device, launch, repeats)
+    pdl = _pdl(plan, device, launch, x, repeats)
     return {"passed": (base.get("ok", False) and all(r.get("ok") or "error" in r for r in rows) and one["ok"]
                        and pdl["ok"]),
-            "batch": plan.batch, "context_tokens": x["context_tokens"], "kv_bytes": x["kv_bytes"],
-            "copy_bandwidth_gb_s": bandwidth / 1e9,
+            "batch": plan.batch, "layers": plan.sweep_layers, "context_tokens": x["context_tokens"],
+            "kv_bytes": x["kv_bytes"], "copy_bandwidth_gb_s": bandwidth / 1e9,
             "default": dataclasses.asdict(default), "best": best, "applied": applied, "configs": rows,
             "one_sequence": one, "pdl": pdl}
 
 
-def _pdl(plan: Plan, device: torch.device, launch, repeats: int) -> dict:
+def _per_launch(plan: Plan, device: torch.device, launch, config, x: dict,
+                repeats: int) -> tuple[float, list[torch.Tensor]]:
+    """Seconds per launch of `config`: `launch`'s step over `x` (one launch per layer) captured in one graph
+    and timed over its replays (`time_captured`); and the step's outputs."""
+    seconds, outs = time_captured(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
+    return seconds / plan.sweep_layers, outs
+
+
+def _max_diff(outs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    return max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference, strict=True))
+
+
+def _pdl(plan: Plan, device: torch.device, launch, x: dict, repeats: int) -> dict:
     """The config the sections after will run, at the batch, with programmatic dependent launch
     (`LaunchConfig.pdl`: each launch's programs start while the one before ends, then wait for it) and without,
-    launched back to back as a step's layers launch it. The output must be the same to the bit (the kernel
-    computes the same; a difference would be a launch reading what the one before had not written yet); kept for
-    the sections after if `PDL_GAIN` faster. Where the device has no such launch (before sm_90, the interpreter)
-    both run alike."""
+    a step's worth in one graph, launched back to back as a step's layers launch it. The output must be the same
+    to the bit (the kernel computes the same; a difference would be a launch reading what the one before had
+    not written yet); kept for the sections after if `PDL_GAIN` faster. Where the device has no such launch
+    (before sm_90, the interpreter) both run alike."""
     from kernels import triton_attention as ta
 
     config = ta.DECODE_CONFIG
     on = dataclasses.replace(config, pdl=True)
     result: dict = {"config": dataclasses.asdict(config), "applied": False, "ok": True}
     try:
-        diff = (launch(on).float() - launch(config).float()).abs().max().item()
-        off_s = time_calls(lambda: launch(config), device, repeats if not plan.dry_run else 1)
-        on_s = time_calls(lambda: launch(on), device, repeats if not plan.dry_run else 1)
+        off_s, off = _per_launch(plan, device, launch, config, x, repeats)
+        on_s, outs = _per_launch(plan, device, launch, on, x, repeats)
+        diff = _max_diff(outs, off)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
@@ -176,12 +178,12 @@ def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int
     if config.num_splits != 1:
         return result | {"skipped": "the config splits already"}
     try:
-        diff = (launch(auto, x).float() - launch(config, x).float()).abs().max().item()
-        plain_s = time_calls(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
-        auto_s = time_calls(lambda: launch(auto, x), device, repeats if not plan.dry_run else 1)
+        plain_s, plain = _per_launch(plan, device, launch, config, x, repeats)
+        auto_s, outs = _per_launch(plan, device, launch, auto, x, repeats)
+        diff = _max_diff(outs, plain)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[2], device), "us": plain_s * 1e6,
+    result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[-2], device), "us": plain_s * 1e6,
                "auto_splits_us": auto_s * 1e6, "max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"]}
     if result["ok"] and auto_s * APPLY_GAIN <= plain_s and not plan.dry_run:
         ta.DECODE_CONFIG = auto

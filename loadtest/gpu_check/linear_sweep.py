@@ -20,12 +20,11 @@ import dataclasses
 
 import torch
 
-from loadtest.gpu_check.attention_sweep import PDL_GAIN, time_calls
+from loadtest.gpu_check.attention_sweep import PDL_GAIN
 from loadtest.gpu_check.plan import Plan
-from workers.cuda_graphs import cuda_capture
+from loadtest.gpu_check.timing import time_captured
 
 APPLY_GAIN = 1.05
-LAYERS, LAYERS_DRY = 30, 2
 # (hidden, (heads, kv_heads, head_dim), intermediate): SmolLM2-135M's, and a tiny one for the dry run
 SHAPE, SHAPE_DRY = (576, (9, 3, 64), 1536), (64, (2, 1, 32), 96)
 # relative to the largest output: the matmul sums in another order than cuBLAS, and the gated output goes
@@ -88,16 +87,6 @@ def _layers(attn, ops, a: dict) -> list[torch.Tensor]:
     return outs
 
 
-def _time(fn, device: torch.device, repeats: int) -> tuple[float, list[torch.Tensor]]:
-    """Seconds per call of `fn`, captured in one CUDA graph on a GPU (as a decode step runs), eager elsewhere;
-    and its outputs."""
-    if device.type != "cuda":
-        outs = [o.clone() for o in fn()]
-        return time_calls(fn, device, repeats), outs
-    replay, outs = cuda_capture(fn, None)  # compiled and warmed up off the capture
-    return time_calls(replay, device, repeats), [o.clone() for o in outs]
-
-
 def _pdl(plan: Plan, attn, ops, configs: list, shape: tuple, layers: int, device: torch.device,
          repeats: int) -> dict:
     """Each of `configs` (the one applied, else the default; then the fastest with o_proj and down in the
@@ -116,9 +105,9 @@ def _pdl(plan: Plan, attn, ops, configs: list, shape: tuple, layers: int, device
             row: dict = {"config": dataclasses.asdict(config)}
             try:
                 triton_linear.NORM_LINEAR_CONFIG = config
-                off_s, reference = _time(lambda: _layers(attn, ops, a), device, repeats)
+                off_s, reference = time_captured(lambda: _layers(attn, ops, a), device, repeats)
                 triton_linear.NORM_LINEAR_CONFIG = dataclasses.replace(config, pdl=True)
-                on_s, outs = _time(lambda: _layers(attn, ops, a), device, repeats)
+                on_s, outs = time_captured(lambda: _layers(attn, ops, a), device, repeats)
                 diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference))
                 row |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
             except Exception as e:  # a launch the driver refuses, a capture that fails
@@ -148,7 +137,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     from kernels.triton_layer_ops import TritonLayerOps
 
     device = torch.device(plan.device)
-    shape, layers = (SHAPE_DRY, LAYERS_DRY) if plan.dry_run else (SHAPE, LAYERS)
+    shape, layers = (SHAPE_DRY if plan.dry_run else SHAPE), plan.sweep_layers
     ops, attn = TritonLayerOps(), TritonPagedAttention(device)
     configs = sweep_configs(plan.dry_run)
     default = triton_linear.NORM_LINEAR_CONFIG
@@ -162,14 +151,14 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
                 configs = [c for c in configs if c == default or (fastest and dataclasses.asdict(c) == fastest["config"])]
             a = _inputs(rows, shape, layers, device)
             triton_linear.NORM_LINEAR_CONFIG = None
-            base_s, reference = _time(lambda: _layers(attn, ops, a), device, repeats)
+            base_s, reference = time_captured(lambda: _layers(attn, ops, a), device, repeats)
             scale = max(r.float().abs().max().item() for r in reference)
             table = []
             for config in configs:
                 row: dict = {"config": dataclasses.asdict(config)}
                 try:
                     triton_linear.NORM_LINEAR_CONFIG = config
-                    seconds, outs = _time(lambda: _layers(attn, ops, a), device, repeats)
+                    seconds, outs = time_captured(lambda: _layers(attn, ops, a), device, repeats)
                     diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference)) / scale
                     row |= {"us": seconds * 1e6, "max_rel_diff": diff, "ok": diff <= MAX_REL_DIFF,
                             "speedup": base_s / seconds}

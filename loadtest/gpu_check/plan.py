@@ -34,6 +34,8 @@ class Plan:
     pd_prompt_len: int
     pd_tokens: int
     copy_bytes: int
+    # the sweeps' graphs: a step's worth of launches, one per layer, each over its own weights or KV
+    sweep_layers: int
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -41,11 +43,12 @@ class Plan:
                    kernel_heads=((9, 3, 64), (8, 1, 128), (4, 4, 64)), kernel_batch=tuple(KERNEL_BATCH_LONG),
                    warmup_tokens=4, parity_prompts=8, parity_prompt_len=32, parity_tokens=24, batch=256,
                    prompt_len=128, output_len=128, batch1_prompt_len=128, batch1_output_len=128, pd_prompt_len=100,
-                   pd_tokens=16, copy_bytes=1 << 30)
+                   pd_tokens=16, copy_bytes=1 << 30, sweep_layers=30)
 
     @classmethod
     def dry(cls) -> Plan:
         return cls(dry_run=True, device="cpu", max_model_len=64, kv_cache_memory="16MiB",
                    kernel_heads=((4, 2, 32),), kernel_batch=tuple(KERNEL_BATCH_DRY), warmup_tokens=1,
                    parity_prompts=2, parity_prompt_len=8, parity_tokens=3, batch=2, prompt_len=8, output_len=3,
-                   batch1_prompt_len=8, batch1_output_len=3, pd_prompt_len=10, pd_tokens=2, copy_bytes=1 << 22)
+                   batch1_prompt_len=8, batch1_output_len=3, pd_prompt_len=10, pd_tokens=2, copy_bytes=1 << 22,
+                   sweep_layers=2)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
@@ -20,7 +22,7 @@ sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
 sys.modules["pydantic"] = None
 import loadtest.gpu_check.run, loadtest.gpu_check.engines, loadtest.gpu_check.greedy_parity
 import loadtest.gpu_check.kernel_parity, loadtest.gpu_check.throughput, loadtest.gpu_check.pd_handoff
-import loadtest.gpu_check.attention_sweep, loadtest.gpu_check.linear_sweep
+import loadtest.gpu_check.attention_sweep, loadtest.gpu_check.linear_sweep, loadtest.gpu_check.timing
 import kernels.triton_attention, workers.cuda_graphs, workers.kv_transfer
 from loadtest.gpu_check.pd_handoff import transport_available
 transport_available()
@@ -269,7 +271,7 @@ def test_the_linear_sweeps_pdl_ab_applies_the_fastest_only_past_its_gain(monkeyp
     def ab(times, outputs=None):
         seconds = iter(times)
         outs = iter(outputs or [torch.zeros(2)] * len(times))
-        monkeypatch.setattr(linear_sweep, "_time", lambda fn, device, repeats: (next(seconds), [next(outs)]))
+        monkeypatch.setattr(linear_sweep, "time_captured", lambda fn, device, repeats: (next(seconds), [next(outs)]))
         return linear_sweep._pdl(plan, None, None, [first, plain], (), 2, torch.device("cpu"), 1)
 
     # the times: the first config without and with, the plain one without and with
@@ -281,3 +283,40 @@ def test_the_linear_sweeps_pdl_ab_applies_the_fastest_only_past_its_gain(monkeyp
     assert not got["applied"] and got["choice"] == dataclasses.asdict(first)
     got = ab([100e-6, 50e-6, 120e-6, 110e-6], [torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2)])
     assert not got["ok"] and not got["applied"] and got["configs"][0]["max_abs_diff"] == 1.0
+
+
+def test_the_attention_sweep_times_a_steps_launches_each_over_its_own_layer(monkeypatch):
+    """The attention sweep times each config as a decode step runs it (launched one by one from Python, the
+    host would set the pace and hide a faster kernel): every timed call is a step of one launch per layer, each
+    over a cache of its own, handed to `time_captured` (one CUDA graph on a GPU), and the time it reports is per
+    launch. Outputs are compared layer by layer."""
+    import dataclasses
+
+    from kernels import triton_attention as ta
+    from loadtest.gpu_check import attention_sweep
+    from loadtest.gpu_check.plan import Plan
+
+    plan = dataclasses.replace(Plan.dry(), sweep_layers=3)
+    caches: list[int] = []
+    real = ta.paged_attention
+
+    def recording(query, k_cache, *args, **kwargs):
+        caches.append(k_cache.data_ptr())
+        return real(query, k_cache, *args, **kwargs)
+
+    steps: list[tuple[int, int]] = []
+
+    def timed(step, device, repeats):
+        caches.clear()
+        outs = step()
+        steps.append((len(caches), len(set(caches))))
+        return 6e-3 * len(outs), [o.clone() for o in outs]
+
+    monkeypatch.setattr(ta, "paged_attention", recording)
+    monkeypatch.setattr(attention_sweep, "time_captured", timed)
+    result = attention_sweep.sweep(plan, repeats=1)
+    # each config, then the single stream plain and split, then the config without and with PDL
+    assert len(steps) == len(result["configs"]) + 4 and set(steps) == {(3, 3)}
+    assert result["passed"] and result["layers"] == 3
+    assert all(r["us"] == pytest.approx(6e3) for r in result["configs"])
+    assert result["pdl"]["us"] == pytest.approx(6e3) and result["one_sequence"]["auto_splits_us"] == pytest.approx(6e3)
