@@ -160,8 +160,9 @@ def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, str
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
-    stages of the key loop (Triton's `num_warps`, `num_stages`), and for decode steps the programs per
-    sequence and KV head (`num_splits`)."""
+    stages of the key loop (Triton's `num_warps`, `num_stages`; the loop's loads are a chain, the block table
+    then the keys it points to, so for sm_90 up to 4 stages fetch one tile ahead, 5 and 6 two, 7 three), and
+    for decode steps the programs per sequence and KV head (`num_splits`)."""
 
     block_n: int = 32
     num_warps: int = 4
