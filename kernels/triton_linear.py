@@ -93,6 +93,13 @@ def launch_fitting(kernel, grid: tuple, *args, num_stages: int, **kwargs) -> Non
             _FITTED_STAGES[key] = stages
 
 
+# Pipeline stages of `row_scale`'s loop, whose loads feed no `tl.dot`: Triton pipelines such a loop only when
+# told to (`tl.range(num_stages=)`), and without it each of its tiles (9 of them at a hidden size of 576) waits
+# a whole round trip before the next is loaded, every program, before its matmul starts. With 4, three tiles
+# are in flight (compiled for sm_90: `cp.async` into three buffers; docs/results/pipeline-20261205/).
+ROW_SCALE_STAGES = tl.constexpr(4)
+
+
 @triton.jit
 def row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, stride_sum, eps, write_sum,
               HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -101,7 +108,7 @@ def row_scale(x_ptr, res_ptr, sum_ptr, rows, row_ok, K, stride_x, stride_res, st
     dt = x_ptr.dtype.element_ty
     ks0 = tl.arange(0, BLOCK_K)
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=ROW_SCALE_STAGES):
         ks = k0 + ks0
         ok = row_ok[:, None] & (ks < K)[None, :]
         s = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0)
