@@ -23,7 +23,7 @@ import itertools
 import torch
 
 from loadtest.gpu_check.plan import Plan, TOLERANCE
-from loadtest.gpu_check.timing import time_captured
+from loadtest.gpu_check.timing import max_abs_diff, time_captured
 
 APPLY_GAIN = 1.1
 PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
@@ -107,7 +107,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         row: dict = {"config": dataclasses.asdict(config)}
         try:
             seconds, outs = _per_launch(plan, device, launch, config, x, repeats)
-            diff = _max_diff(outs, reference)
+            diff = max_abs_diff(outs, reference)
             row |= {"max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"], "us": seconds * 1e6,
                     "kv_gb_s": x["kv_bytes"] / seconds / 1e9, "of_copy_bandwidth": x["kv_bytes"] / seconds / bandwidth}
         except Exception as e:  # a config that does not compile or launch here
@@ -138,10 +138,6 @@ def _per_launch(plan: Plan, device: torch.device, launch, config, x: dict,
     return seconds / plan.sweep_layers, outs
 
 
-def _max_diff(outs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    return max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference, strict=True))
-
-
 def _pdl(plan: Plan, device: torch.device, launch, x: dict, repeats: int) -> dict:
     """The config the sections after will run, at the batch, with programmatic dependent launch
     (`LaunchConfig.pdl`: each launch's programs start while the one before ends, then wait for it) and without,
@@ -157,7 +153,7 @@ def _pdl(plan: Plan, device: torch.device, launch, x: dict, repeats: int) -> dic
     try:
         off_s, off = _per_launch(plan, device, launch, config, x, repeats)
         on_s, outs = _per_launch(plan, device, launch, on, x, repeats)
-        diff = _max_diff(outs, off)
+        diff = max_abs_diff(outs, off)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
@@ -183,7 +179,7 @@ def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int
     try:
         plain_s, plain = _per_launch(plan, device, launch, config, x, repeats)
         auto_s, outs = _per_launch(plan, device, launch, auto, x, repeats)
-        diff = _max_diff(outs, plain)
+        diff = max_abs_diff(outs, plain)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[-2], device), "us": plain_s * 1e6,

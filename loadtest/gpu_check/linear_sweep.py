@@ -22,7 +22,7 @@ import torch
 
 from loadtest.gpu_check.attention_sweep import PDL_GAIN
 from loadtest.gpu_check.plan import Plan
-from loadtest.gpu_check.timing import time_captured
+from loadtest.gpu_check.timing import max_abs_diff, time_captured
 
 APPLY_GAIN = 1.05
 # (hidden, (heads, kv_heads, head_dim), intermediate): SmolLM2-135M's, and a tiny one for the dry run
@@ -108,7 +108,7 @@ def _pdl(plan: Plan, attn, ops, configs: list, shape: tuple, layers: int, device
                 off_s, reference = time_captured(lambda: _layers(attn, ops, a), device, repeats)
                 triton_linear.NORM_LINEAR_CONFIG = dataclasses.replace(config, pdl=True)
                 on_s, outs = time_captured(lambda: _layers(attn, ops, a), device, repeats)
-                diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference))
+                diff = max_abs_diff(outs, reference)
                 row |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
             except Exception as e:  # a launch the driver refuses, a capture that fails
                 row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -159,7 +159,7 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
                 try:
                     triton_linear.NORM_LINEAR_CONFIG = config
                     seconds, outs = time_captured(lambda: _layers(attn, ops, a), device, repeats)
-                    diff = max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference)) / scale
+                    diff = max_abs_diff(outs, reference) / scale
                     row |= {"us": seconds * 1e6, "max_rel_diff": diff, "ok": diff <= MAX_REL_DIFF,
                             "speedup": base_s / seconds}
                 except Exception as e:  # a config that does not compile or launch here

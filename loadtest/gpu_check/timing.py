@@ -46,3 +46,8 @@ def time_captured(fn: Callable[[], list[torch.Tensor]], device: torch.device,
         return time_calls(fn, device, repeats), outs
     replay, outs = cuda_capture(fn, None)  # compiled and warmed up off the capture
     return time_calls(replay, device, repeats), [o.clone() for o in outs]
+
+
+def max_abs_diff(outs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest absolute difference between two calls' outputs, in float32."""
+    return max((o.float() - r.float()).abs().max().item() for o, r in zip(outs, reference, strict=True))

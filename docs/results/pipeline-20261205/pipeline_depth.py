@@ -1,7 +1,7 @@
 """How many tiles of keys and values the decode attention kernel holds in shared memory, by pipeline stages:
-each config's batch-256 decode variant for SmolLM2-135M (bfloat16) compiled for sm_90 as the JIT specializes it, read from
-its TTGIR (the depth of the shared-memory buffers the keys are copied into with `cp.async`, and the waits'
-counts of copies left in flight), with ptxas's registers and the shared memory.
+each config's batch-256 decode variant for SmolLM2-135M (bfloat16) compiled for sm_90 as the JIT specializes
+it, read from its TTGIR (the depth of the shared-memory buffers the keys are copied into with `cp.async`, and
+the waits' counts of copies left in flight), with ptxas's registers and the shared memory.
 
     env -u TRITON_INTERPRET PYTHONPATH=. python docs/results/pipeline-20261205/pipeline_depth.py
 """
