@@ -39,7 +39,8 @@ def sweep_configs(dry_run: bool) -> list:
         return [LinearConfig(block_m=16, block_n=16, block_k=16), LinearConfig(block_m=16, block_n=32, block_k=32),
                 LinearConfig(block_m=16, block_n=32, block_k=32, plain_matmuls=True)]
     shapes = (dict(), dict(block_m=16), dict(block_n=128), dict(block_m=64), dict(block_n=32), dict(block_k=128),
-              dict(block_m=64, block_n=128, num_warps=8))
+              dict(block_m=64, block_n=128, num_warps=8),
+              dict(num_stages=4))  # the matmul loop's tiles three in flight (two at the default 3 stages)
     # each with cuBLAS's o_proj and down, and the first three with the kernel's (each config compiles ~6 kernels)
     return [LinearConfig(**c) for c in shapes] + [LinearConfig(**c, plain_matmuls=True) for c in shapes[:3]]
 
