@@ -52,10 +52,12 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ONE_QUERY: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """Tile `pid(0)` (with ONE_QUERY: sequence `pid(0)`), KV head `pid(1)`. With SPLIT (ONE_QUERY only)
     program `pid(2)` takes its share of the sequence's keys (one of `num_splits`) and writes its unnormalised
-    output, running max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`."""
+    output, running max and sum to `part_acc` / `part_ml` for `_combine_splits_kernel`. With PREFETCH each tile
+    loads the next tile's block ids (`LaunchConfig.prefetch`)."""
     pdl_start(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,10 +98,19 @@ def _paged_attention_kernel(
         share = tl.cdiv(tl.cdiv(last, num_splits), BLOCK_N) * BLOCK_N
         first = tl.program_id(2) * share
         last = tl.minimum(last, first + share)
+    table = block_tables + seq * stride_bt
+    if PREFETCH:  # the first tile's block ids here; each tile loads the next one's, used an iteration later
+        pos0 = first + tl.arange(0, BLOCK_N)
+        next_block = tl.load(table + pos0 // block_size, mask=pos0 < last, other=0).to(tl.int64)
     for start in range(first, last, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < last
-        block = tl.load(block_tables + seq * stride_bt + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
+        if PREFETCH:
+            block = next_block
+            ahead = pos + BLOCK_N
+            next_block = tl.load(table + ahead // block_size, mask=ahead < last, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % block_size
         kv_ok = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
@@ -160,9 +171,16 @@ def _combine_splits_kernel(part_acc, part_ml, out_ptr, stride_pt, stride_ph, str
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """How the attention kernel is launched: keys per tile (`BLOCK_N`), warps per program and software-pipeline
-    stages of the key loop (Triton's `num_warps`, `num_stages`; the loop's loads are a chain, the block table
-    then the keys it points to, so for sm_90 up to 4 stages fetch one tile ahead, 5 and 6 two, 7 three), and
-    for decode steps the programs per sequence and KV head (`num_splits`)."""
+    stages of the key loop (Triton's `num_warps`, `num_stages`), whether each tile loads the next tile's block
+    ids (`prefetch`), and for decode steps the programs per sequence and KV head (`num_splits`).
+
+    Compiled for sm_90 (triton 3.6 and 3.7), the loop's loads pipeline by `prefetch`. Without it they are a
+    chain inside each iteration (the block ids, then the keys and values they point to), the pipeliner spends
+    stages on each link, and the keys and values get one shared-memory buffer at 2-4 stages (each tile's
+    copies waited for in full at its start: a round trip per tile), two at 5-6, three at 7. With it the keys'
+    addresses come from the iteration before, the block ids are a plain load used an iteration later, and the
+    keys and values get `num_stages - 1` buffers: two tiles in flight at 3 stages (19 KB of shared memory at 32
+    keys, 4 warps)."""
 
     block_n: int = 32
     num_warps: int = 4
@@ -171,6 +189,8 @@ class LaunchConfig:
     # combines (more programs in flight per SM where a batch has few sequences for the GPU's SMs); 0: as many
     # as bring the step's programs to about `SPLIT_TARGET_WAVES` per SM (`decode_splits`)
     num_splits: int = 1
+    # each tile loads the next tile's block ids (above); off: the chain the last lease measured
+    prefetch: bool = True
     # programmatic dependent launch (`triton_linear.pdl_launch`): the kernel's programs start while the one
     # before ends
     pdl: bool = False
@@ -273,8 +293,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits), splits,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION=precision,
-        ONE_QUERY=one_query, SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl,
+        ONE_QUERY=one_query, SPLIT=splits > 1, PREFETCH=config.prefetch, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](

@@ -27,16 +27,19 @@ from loadtest.gpu_check.timing import max_abs_diff, time_captured
 
 APPLY_GAIN = 1.1
 PDL_GAIN = 1.03  # programmatic dependent launch: kept if this much faster (it changes nothing else)
-# The key loop's loads are a chain (the block table, then the keys and values it points to), and Triton's
-# pipeliner gives each link stages of its own: compiled for sm_90 (triton 3.6 and 3.7), 2 to 4 stages fetch a
-# tile's keys one tile ahead, waiting for all of it at each tile's start; 5 and 6 two tiles ahead, 7 three
-GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (3, 5)}
+# Pipeline stages by `LaunchConfig.prefetch` (compiled for sm_90, triton 3.6 and 3.7): with it (the default)
+# the keys and values get `num_stages - 1` shared-memory buffers, two tiles in flight at 3 stages, three at 4
+GRID = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
 # beside the grid: a sequence's keys (~190 on average at the throughput shape) in one or two tiles, all their
-# loads in flight at once, and fewer warps per program (more programs resident per SM)
-EXTRA = [(256, 8, 2), (256, 8, 3), (256, 4, 2), (64, 2, 3), (128, 2, 3), (32, 4, 7),
+# loads in flight at once, fewer warps per program (more programs resident per SM), and four tiles in flight
+EXTRA = [(256, 8, 2), (256, 8, 3), (256, 4, 2), (64, 2, 3), (128, 2, 3), (32, 4, 5),
          # each sequence's keys split between 2 or 4 programs, combined by a second kernel
-         (32, 4, 3, 2), (64, 4, 3, 2), (32, 4, 3, 4), (64, 4, 2, 4), (32, 4, 5, 2)]
+         (32, 4, 3, 2), (64, 4, 3, 2), (32, 4, 3, 4), (64, 4, 2, 4)]
+# without `prefetch`: each tile's block ids, then its keys, loaded in its own iteration (a chain: one buffer up
+# to 4 stages, a round trip per tile; two at 5, three at 7); (32, 4, 3) is what the last lease measured
+CHAIN = [(32, 4, 3), (32, 4, 5), (32, 4, 7), (32, 4, 5, 2)]
 EXTRA_DRY = [(16, 4, 3, 2)]
+CHAIN_DRY = [(16, 4, 3)]
 GRID_DRY = {"block_n": (16, 32), "num_warps": (4,), "num_stages": (3,)}
 
 
@@ -78,7 +81,8 @@ def sweep_configs(dry_run: bool) -> list:
 
     grid = GRID_DRY if dry_run else GRID
     return ([LaunchConfig(*values) for values in itertools.product(*grid.values())]
-            + [LaunchConfig(*values) for values in (EXTRA_DRY if dry_run else EXTRA)])
+            + [LaunchConfig(*values) for values in (EXTRA_DRY if dry_run else EXTRA)]
+            + [LaunchConfig(*values, prefetch=False) for values in (CHAIN_DRY if dry_run else CHAIN)])
 
 
 def sweep(plan: Plan, repeats: int = 50) -> dict:

@@ -272,10 +272,12 @@ def summary(report: dict) -> str:
     for name, state in report["checks"].get("kernel_parity", {}).get("optional_backends", {}).items():
         lines.append(f"  optional attention {name}: {state[:100]}")
     sw = report["checks"].get("attention_sweep", {})
-    for row in sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])[:4]:
+    timed = sorted((r for r in sw.get("configs", []) if r.get("us")), key=lambda r: r["us"])
+    for row in timed[:4] + [r for r in timed[4:] if r["config"] == sw.get("default")]:
         c = row["config"]
         lines.append(f"  decode attention block_n {c['block_n']} warps {c['num_warps']} stages {c['num_stages']} "
-                     f"splits {c['num_splits']}: "
+                     f"splits {c['num_splits']}{'' if c.get('prefetch', True) else ' no prefetch'}"
+                     f"{' (default)' if c == sw.get('default') else ''}: "
                      f"{row['us']:.1f} us, {row['kv_gb_s']:.0f} GB/s ({row['of_copy_bandwidth']:.0%} of copy)")
     if sw.get("applied"):
         lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")

@@ -68,11 +68,12 @@ def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim, 
 
 
 @pytest.mark.parametrize("config", [LaunchConfig(16, 2, 1), LaunchConfig(64, 8, 2), LaunchConfig(128, 4, 3),
-                                    LaunchConfig(pdl=True)])
+                                    LaunchConfig(pdl=True), LaunchConfig(prefetch=False),
+                                    LaunchConfig(16, 2, 1, prefetch=False)])
 def test_launch_configs_give_the_same_attention(config):
-    """Other key tile widths (one that splits a block of 32, ones that span blocks of 16), warps and stages, and
-    programmatic dependent launch (on a GPU from sm_90; ignored here): the same result on mixed and decode-only
-    batches."""
+    """Other key tile widths (one that splits a block of 32, ones that span blocks of 16), warps and stages,
+    programmatic dependent launch (on a GPU from sm_90; ignored here), and each tile's block ids loaded in its
+    own iteration rather than the one before (`prefetch`): the same result on mixed and decode-only batches."""
     for batch in (BATCH, [(1, 40), (1, 129), (1, 7)]):
         query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, 16, 9, 3, 64, torch.float32)
         default = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
@@ -82,7 +83,8 @@ def test_launch_configs_give_the_same_attention(config):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [LaunchConfig(16, 4, 2, num_splits=2), LaunchConfig(32, 4, 3, num_splits=3),
-                                    LaunchConfig(16, 2, 1, num_splits=8), LaunchConfig(num_splits=2, pdl=True)])
+                                    LaunchConfig(16, 2, 1, num_splits=8), LaunchConfig(num_splits=2, pdl=True),
+                                    LaunchConfig(16, 4, 2, num_splits=3, prefetch=False)])
 def test_decode_steps_split_between_programs_match_dense(dtype, config):
     """A decode step's keys split between `num_splits` programs per sequence and KV head, combined by a second
     kernel: dense attention's result, with splits that get no key (a context shorter than the splits' tiles)
