@@ -4,12 +4,13 @@ writes each step's keys and values (`kernels/triton_kv_write.py`).
 The attention grid is fixed by the batch's token and sequence counts, not by its contents: program `(i, h)`
 finds its sequence inside the kernel (a binary search over the query start offsets), so the same launch
 serves any mix of decodes and chunks and can be captured in a CUDA graph; a decode step (one token per
-sequence, known from the shapes) launches one program per sequence and KV head, with no search. Each program takes a tile of up to
-`BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h` (grouped-query heads are
-folded into the tile's rows, so each key is loaded once per group), walks the sequence's keys through its
-block table `BLOCK_N` positions at a time with an online softmax in float32, and stops at the tile's last
-causal position. How the attention kernel is launched (keys per tile, warps, stages) is a
-`LaunchConfig`, one for decode-only steps and one for the rest.
+sequence, known from the shapes) launches one program per sequence and KV head, with no search. Each program
+takes a tile of up to `BLOCK_Q` query tokens of one sequence times the query heads that share KV head `h`
+(grouped-query heads are folded into the tile's rows, so each key is loaded once per group), walks the
+sequence's keys through its block table `BLOCK_N` positions at a time with an online softmax in float32 (each
+tile's block ids loaded in the iteration before, so that its keys' copies can be issued tiles ahead), and
+stops at the tile's last causal position. How the attention kernel is launched (keys per tile, warps, stages)
+is a `LaunchConfig`, one for decode-only steps and one for the rest.
 
 Under `TRITON_INTERPRET=1` (tests on the CPU) the kernels run in Triton's interpreter, whose bfloat16 `tl.dot`
 is wrong, so there (only) the dot products are computed in float32."""
@@ -289,7 +290,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _paged_attention_kernel, grid,
         query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_size, part_acc, part_ml, *_split_strides(part_acc, part_ml, splits), splits,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_Q=block_q,
         BLOCK_N=config.block_n, UPCAST=upcast, DOT_PRECISION=precision,
