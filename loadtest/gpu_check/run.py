@@ -313,8 +313,9 @@ def summary(report: dict) -> str:
         b = tp.get("batch", {}).get(kind, {})
         if b:
             frac = b.get("roofline_fraction")
+            step_ms, call_ms = b.get("decode_step_ms", float("nan")), b.get("decode_call_ms", float("nan"))
             lines.append(f"  batch {b['requests']} {kind}: {b['output_tok_s']:.0f} out tok/s, decode step "
-                         f"{b.get('decode_step_ms', float('nan')):.2f} ms, roofline "
+                         f"{step_ms:.2f} ms (the call {call_ms:.2f}), roofline "
                          f"{'n/a' if frac is None else f'{frac:.0%}'}"
                          + (f", {b['kept_drafts']} of {b['draft_tokens']} drafts kept" if "draft_tokens" in b else ""))
             if b.get("graph_replay", {}).get("device_step_ms"):

@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from loadtest.gpu_check.engines import (all_decoding, generate, greedy, make_engine, random_prompts, release_memory,
-                                        sync)
+from loadtest.gpu_check.engines import generate, greedy, make_engine, random_prompts, release_memory, sync
 from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
@@ -44,28 +43,51 @@ def weight_bytes(engine: Engine) -> int:
     return sum(p.nbytes for p in engine.model.parameters())
 
 
+def decode_context(engine: Engine, batch: int) -> int | None:
+    """The tokens of context the step about to run reads if it is decode-only over the whole batch (`batch`
+    requests running, none waiting, each owing just its last token: `engines.all_decoding`), else None; one
+    pass over the requests, since it runs between the steps it times."""
+    s = engine.scheduler
+    if len(s.running) != batch or s.num_waiting:
+        return None
+    total = 0
+    for r in s.running:
+        n = r.num_tokens
+        if r.num_computed_tokens != n - 1:
+            return None
+        total += n
+    return total
+
+
 def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Run every prompt to the end; wall time, and each decode-only step of the full batch with the tokens
-    of context it read."""
+    of context it read.
+
+    A step's time is its period, from its `step()` call to the next one's: with async scheduling the device
+    runs the step queued ahead while the host is between calls (here, checking the next step's context), so
+    the call alone is shorter than a step whenever the device sets the pace, and would overstate the rate.
+    The call's own time is kept too (`decode_calls`)."""
     params = greedy(max_tokens)
     for i, ids in enumerate(prompts):
         engine.add_request(f"t{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
-    s = engine.scheduler
-    steps: list[tuple[float, int]] = []
+    marks: list[tuple[float, int | None]] = []  # each step's start, and its context if decode-only over the batch
+    calls: list[float] = []
     outputs = 0
     sync(engine)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        full_decode = all_decoding(engine, len(prompts))
-        context = sum(r.num_tokens for r in s.running) if full_decode else 0
+        context = decode_context(engine, len(prompts))
         t0 = time.perf_counter()
+        marks.append((t0, context))
         for out in engine.step():
             if out.finished:
                 outputs += len(out.outputs[0].token_ids)
-        if full_decode:
-            steps.append((time.perf_counter() - t0, context))
+        if context is not None:
+            calls.append(time.perf_counter() - t0)
     sync(engine)
-    return {"wall_s": time.perf_counter() - start, "output_tokens": outputs, "decode_steps": steps}
+    end = time.perf_counter()
+    steps = [(after - t0, context) for (t0, context), (after, _) in zip(marks, marks[1:]) if context is not None]
+    return {"wall_s": end - start, "output_tokens": outputs, "decode_steps": steps, "decode_calls": calls}
 
 
 def _decode_config() -> dict:
@@ -102,7 +124,7 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
     sched = engine.scheduler
     drafted = sched.num_draft_tokens, sched.num_accepted_tokens
     run = _timed_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=3), plan.output_len)
-    steps = run.pop("decode_steps")
+    steps, calls = run.pop("decode_steps"), run.pop("decode_calls")
     if speculative_tokens:
         run |= {"draft_tokens": sched.num_draft_tokens - drafted[0],
                 "kept_drafts": sched.num_accepted_tokens - drafted[1]}
@@ -117,7 +139,8 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
         context = statistics.median(c for _, c in steps)
         moved = weight_bytes(engine) + context * kv_bytes_per_token(engine)
         roofline_s = moved / bandwidth
-        result |= {"decode_step_ms": step_s * 1e3, "decode_context_tokens": context, "bytes_per_step": moved,
+        result |= {"decode_step_ms": step_s * 1e3, "decode_call_ms": statistics.median(calls) * 1e3,
+                   "decode_context_tokens": context, "bytes_per_step": moved,
                    "roofline_step_ms": roofline_s * 1e3, "roofline_fraction": roofline_s / step_s}
     if graphs and engine.device.type == "cuda":
         try:  # a measurement on top: its failure must not lose the section's
@@ -156,7 +179,7 @@ def batch1_decode(plan: Plan, model: str, vocab: int, graphs: bool) -> dict:
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=8)
     generate(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=8), greedy(plan.warmup_tokens), prefix="w")
     run = _timed_run(engine, random_prompts(1, plan.batch1_prompt_len, vocab, seed=4), plan.batch1_output_len)
-    steps = [t for t, _ in run["decode_steps"]]
+    steps = [t for t, _ in run["decode_steps"]]  # periods, as above
     del engine
     release_memory()
     return {"graphs": graphs, "decode_steps": len(steps), "decode_tok_s": len(steps) / sum(steps) if steps else 0.0,

@@ -320,3 +320,44 @@ def test_the_attention_sweep_times_a_steps_launches_each_over_its_own_layer(monk
     assert result["passed"] and result["layers"] == 3
     assert all(r["us"] == pytest.approx(6e3) for r in result["configs"])
     assert result["pdl"]["us"] == pytest.approx(6e3) and result["one_sequence"]["auto_splits_us"] == pytest.approx(6e3)
+
+
+def test_a_decode_steps_time_is_its_period_not_its_call():
+    """With async scheduling the device runs the step queued ahead while the host is between `step()` calls, so
+    a step's time is from its call to the next one's: the time outside the calls counts (here 20 ms spent
+    before each call, against 2 ms in it), and only decode-only steps of the whole batch are timed, each with
+    the context it reads."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from loadtest.gpu_check.throughput import _timed_run, decode_context
+
+    class Engine:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.scheduler = SimpleNamespace(running=[], num_waiting=0)
+
+        def add_request(self, request_id, prompt, params, prompt_token_ids, output_kind):
+            self.scheduler.running.append(SimpleNamespace(num_tokens=len(prompt_token_ids), num_computed_tokens=0))
+
+        def has_unfinished_requests(self):
+            time.sleep(0.02)  # the host's time between calls, while a GPU would run the step queued ahead
+            return self.scheduler.running[0].num_tokens < 8
+
+        def step(self):
+            time.sleep(0.002)
+            for r in self.scheduler.running:  # the prefill, then decodes: all tokens computed, one more made
+                r.num_computed_tokens, r.num_tokens = r.num_tokens, r.num_tokens + 1
+            return []
+
+    engine = Engine()
+    run = _timed_run(engine, [[5, 6, 7], [8, 9]], max_tokens=8)
+    # a prefill (not timed), then decode steps at 7, 9, 11 and 13 tokens of context; the last has no next call
+    assert [c for _, c in run["decode_steps"]] == [7, 9, 11]
+    assert all(t >= 0.02 for t, _ in run["decode_steps"]), run["decode_steps"]
+    assert all(t < 0.015 for t in run["decode_calls"]) and len(run["decode_calls"]) == 4
+    engine.scheduler.num_waiting = 1
+    assert decode_context(engine, 2) is None
