@@ -168,3 +168,41 @@ def test_compiled_variants_land_under_the_key_the_jit_looks_up(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["launches"] > 20 and out["same"] == out["launches"] and not out["different"]
+
+
+DEPTH_SCRIPT = textwrap.dedent(r'''
+    import dataclasses, json, re
+    import torch
+    from kernels import triton_attention, triton_linear
+    from kernels.triton_aot import compile_variant
+    from workers.kernel_variants import config_variants
+
+    out = {"num_stages": triton_attention.DECODE_CONFIG.num_stages,
+           "default_prefetch": [triton_attention.DECODE_CONFIG.prefetch, triton_attention.CHUNK_CONFIG.prefetch]}
+    for prefetch in (True, False):
+        config = dataclasses.replace(triton_attention.DECODE_CONFIG, prefetch=prefetch)
+        seen = config_variants("smollm2-135m", torch.bfloat16, [(config, triton_linear.NORM_LINEAR_CONFIG)],
+                               ((256, 64),))
+        variant = next(v for v in seen if v.name == "_paged_attention_kernel")
+        ttgir = compile_variant(seen[variant], variant, 90).asm["ttgir"]
+        tile = rf"{config.block_n}x64xbf16"
+        buffers = re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{tile}", ttgir)  # K's, V's
+        waits = re.findall(r"async_wait[^{]*\{num = (\d+)", ttgir)  # copy groups left in flight
+        out[str(prefetch)] = {"buffers": [int(n) for n in buffers], "waits": [int(n) for n in waits]}
+    print(json.dumps(out))
+''')
+
+
+def test_the_decode_attention_keeps_key_tiles_in_flight():
+    """The batch-256 decode attention compiled for sm_90 as the JIT compiles it: each tile's block ids loaded
+    the tile before (`LaunchConfig.prefetch`, the default) give the keys and values `num_stages - 1`
+    shared-memory buffers, and the loop's wait leaves the tiles ahead in flight; loaded in their own tile, the
+    block ids and keys are a chain that the same stages pipeline one buffer deep (a round trip per tile)."""
+    proc = _run(["-c", DEPTH_SCRIPT], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    stages, on, off = report["num_stages"], report["True"], report["False"]
+    assert report["default_prefetch"] == [True, True]
+    assert stages >= 3 and on["buffers"] == [stages - 1] * 2  # keys and values
+    assert max(on["waits"]) == 2 * (stages - 2) > 0  # in the loop: the next tiles' K and V copies in flight
+    assert off["buffers"] == [1, 1] and set(off["waits"]) == {0}
