@@ -40,9 +40,13 @@ def sweep_configs(dry_run: bool) -> list:
                 LinearConfig(block_m=16, block_n=32, block_k=32, plain_matmuls=True)]
     shapes = (dict(), dict(block_m=16), dict(block_n=128), dict(block_m=64), dict(block_n=32), dict(block_k=128),
               dict(block_m=64, block_n=128, num_warps=8),
-              dict(num_stages=4))  # the matmul loop's tiles three in flight (two at the default 3 stages)
-    # each with cuBLAS's o_proj and down, and the first three with the kernel's (each config compiles ~6 kernels)
-    return [LinearConfig(**c) for c in shapes] + [LinearConfig(**c, plain_matmuls=True) for c in shapes[:3]]
+              # deeper: the matmul loop's tiles (num_stages - 1) in flight, two at the default 3 stages; at hidden
+              # 576 a program's whole reduction is 9 tiles of 64 (5 of 128), each waiting on memory's latency
+              dict(num_stages=4), dict(num_stages=5), dict(block_k=128, num_stages=4))
+    # each with cuBLAS's o_proj and down, and five with the kernel's (down reduces over 1,536: 24 tiles of 64)
+    # (each config compiles ~6 kernels)
+    plain = shapes[:3] + shapes[-2:]
+    return [LinearConfig(**c) for c in shapes] + [LinearConfig(**c, plain_matmuls=True) for c in plain]
 
 
 def _inputs(rows: int, shape: tuple, layers: int, device: torch.device, seed: int = 0) -> dict:
