@@ -70,12 +70,13 @@ def test_paged_attention_matches_dense(dtype, block_size, heads, kv_heads, dim, 
 @pytest.mark.parametrize("config", [LaunchConfig(16, 2, 1), LaunchConfig(64, 8, 2), LaunchConfig(128, 4, 3),
                                     LaunchConfig(pdl=True), LaunchConfig(prefetch=False),
                                     LaunchConfig(16, 2, 1, prefetch=False)])
-def test_launch_configs_give_the_same_attention(config):
-    """Other key tile widths (one that splits a block of 32, ones that span blocks of 16), warps and stages,
-    programmatic dependent launch (on a GPU from sm_90; ignored here), and each tile's block ids loaded in its
-    own iteration rather than the one before (`prefetch`): the same result on mixed and decode-only batches."""
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_launch_configs_give_the_same_attention(config, block_size):
+    """Other key tile widths (16: half a block of 32; 64 and 128: several blocks), warps and stages, programmatic
+    dependent launch (on a GPU from sm_90; ignored here), and each tile's block ids loaded in its own iteration
+    rather than the one before (`prefetch`): the same result on mixed and decode-only batches."""
     for batch in (BATCH, [(1, 40), (1, 129), (1, 7)]):
-        query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, 16, 9, 3, 64, torch.float32)
+        query, kc, vc, tables, seq_lens, qsl, keys, values = _paged_case(batch, block_size, 9, 3, 64, torch.float32)
         default = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125)
         other = paged_attention(query, kc, vc, torch.empty_like(query), tables, seq_lens, qsl, 0.125, config)
         torch.testing.assert_close(other, default, atol=1e-5, rtol=1e-5)
