@@ -368,7 +368,8 @@ def packable(w: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, row_bucket: int = 1) -> torch.Tensor:
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  row_bucket: int = 1) -> torch.Tensor:
     """`F.linear` over a weight packed by `torch.ops.mkldnn._reorder_linear_weight`. `row_bucket` > 1 pads the
     rows with zeros up to a multiple of it and returns the real ones (a view), as the compiled decode stack's
     `linear_onednn` does, with the same bits."""

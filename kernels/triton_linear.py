@@ -281,7 +281,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     `x` and `residual` are [rows, hidden] with unit stride along hidden. `config`: `NORM_LINEAR_CONFIG`, else
     the default."""
     config = resolve_config(config)
-    if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
+    if x.dim() != 2 or x.stride(1) != 1 or (
+            residual is not None and (residual.shape != x.shape or residual.stride(1) != 1)):
         raise ValueError("norm_linear needs [rows, hidden] inputs with unit stride along hidden")
     if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"norm_linear needs a [out, {x.shape[1]}] weight with unit stride along its rows, "

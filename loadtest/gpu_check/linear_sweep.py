@@ -8,11 +8,12 @@ the rotary-and-store kernel, or (for the MLP) the SiLU kernel. Between them o_pr
 in the same kernel without the norm (`plain_matmuls`). This section captures every layer but its attention,
 all 30 (2 in the dry run), in one CUDA graph, as a decode step's graph runs them, and times its replays at the
 throughput section's batch for the separate kernels (`NORM_LINEAR_CONFIG = None`) and each config of a small
-grid, whose outputs it checks against the separate kernels', then at one row for the default and the fastest. The fastest config at the batch, if it beats
-the separate kernels by `APPLY_GAIN`, is set as `NORM_LINEAR_CONFIG` for the sections after it; if none does,
-the separate kernels are (None). Then the config applied, and the fastest with o_proj and down in the kernel,
-each with programmatic dependent launch and without (`_pdl`): the fastest of those is applied if it beats the
-applied config. The JSON says which the throughput section ran."""
+grid, whose outputs it checks against the separate kernels', then at one row for the default and the fastest.
+The fastest config at the batch, if it beats the separate kernels by `APPLY_GAIN`, is set as
+`NORM_LINEAR_CONFIG` for the sections after it; if none does, the separate kernels are (None). Then the config
+applied, and the fastest with o_proj and down in the kernel, each with programmatic dependent launch and
+without (`_pdl`): the fastest of those is applied if it beats the applied config. The JSON says which the
+throughput section ran."""
 
 from __future__ import annotations
 
@@ -153,7 +154,8 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
             if rows == 1:
                 fastest = min((r for r in by_rows[plan.batch]["configs"] if r.get("ok")), key=lambda r: r["us"],
                               default=None)
-                configs = [c for c in configs if c == default or (fastest and dataclasses.asdict(c) == fastest["config"])]
+                configs = [c for c in configs
+                           if c == default or (fastest and dataclasses.asdict(c) == fastest["config"])]
             a = _inputs(rows, shape, layers, device)
             triton_linear.NORM_LINEAR_CONFIG = None
             base_s, reference = time_captured(lambda: _layers(attn, ops, a), device, repeats)

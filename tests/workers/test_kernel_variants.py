@@ -144,7 +144,8 @@ SAME_KEY = textwrap.dedent("""
     same, different = 0, []
     for kernel, args, kwargs in launches:
         # what a launch does on a GPU (JITFunction.run): its binder, then _pack_args
-        kw = dict(kwargs, debug=knobs.runtime.debug or False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+        kw = dict(kwargs, debug=knobs.runtime.debug or False,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
         bound, specialization, options = binder(*args, **kw)
         options, signature, consts, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
