@@ -198,7 +198,8 @@ def test_the_decode_attention_keeps_key_tiles_in_flight():
     """The batch-256 decode attention compiled for sm_90 as the JIT compiles it: each tile's block ids loaded
     the tile before (`LaunchConfig.prefetch`, the default) give the keys and values `num_stages - 1`
     shared-memory buffers, and the loop's wait leaves the tiles ahead in flight; loaded in their own tile, the
-    block ids and keys are a chain that the same stages pipeline one buffer deep (a round trip per tile)."""
+    block ids and keys are a chain that the same stages pipeline less deep (up to 4 stages one buffer: a round
+    trip per tile)."""
     proc = _run(["-c", DEPTH_SCRIPT], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -206,4 +207,6 @@ def test_the_decode_attention_keeps_key_tiles_in_flight():
     assert report["default_prefetch"] == [True, True]
     assert stages >= 3 and on["buffers"] == [stages - 1] * 2  # keys and values
     assert max(on["waits"]) == 2 * (stages - 2) > 0  # in the loop: the next tiles' K and V copies in flight
-    assert off["buffers"] == [1, 1] and set(off["waits"]) == {0}
+    assert len(off["buffers"]) == 2 and max(off["buffers"]) < stages - 1  # the chain: shallower at any stages
+    if stages <= 4:  # one buffer, each tile's copies waited for in full
+        assert off["buffers"] == [1, 1] and set(off["waits"]) == {0}
