@@ -13,20 +13,21 @@ set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")/../.."
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-git log -1 --format='%H %s' > "$OUT/commit.txt" 2>/dev/null || true
+# at most 8 files come back from $OUT: nvidia-smi (with the commit), the check's JSON and log, two host-step
+# JSONs and the tests' output; the host-step logs stay in /tmp, their last lines printed
+{ git log -1 --format='commit %H %s' 2>/dev/null; nvidia-smi; } > "$OUT/nvidia-smi.txt" 2>&1
 timeout 300 python3 -m loadtest.gpu_check --model .gpu_check/model --out "$OUT" > "$OUT/gpu_check.log" 2>&1
 echo "gpu_check exit $?"
 tail -45 "$OUT/gpu_check.log"
 # the engine's own Python per decode step on this machine's CPU, the model on the GPU (graphs on)
 timeout 75 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
-    --rounds 3 --steps 48 --out "$OUT" > "$OUT/host_step.log" 2>&1
+    --rounds 3 --steps 48 --out "$OUT" > /tmp/host_step.log 2>&1
 echo "host_step exit $?"
 # the same without async scheduling (each step queued once the one before is done): the A/B
 timeout 60 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
-    --rounds 2 --steps 48 --no-async-scheduling --out "$OUT" > "$OUT/host_step_in_turn.log" 2>&1
+    --rounds 2 --steps 48 --no-async-scheduling --out "$OUT" > /tmp/host_step_in_turn.log 2>&1
 echo "host_step in turn exit $?"
-tail -1 "$OUT/host_step.log" "$OUT/host_step_in_turn.log"
+tail -2 /tmp/host_step.log /tmp/host_step_in_turn.log
 # the Triton kernels and the CUDA IPC hand-off, on the GPU (the AOT sm_90 compile is CI's, on the CPU)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
     tests/kernels/test_triton_layer_ops.py tests/kernels/test_triton_linear.py tests/workers/test_kv_transfer_cuda_ipc.py \
