@@ -59,15 +59,20 @@ class _Buffers:
     slot_mapping: torch.Tensor  # [max_batch]
     seq_lens: torch.Tensor  # [max_batch]
     query_start_loc: torch.Tensor  # [max_batch + 1]
-    block_tables: torch.Tensor  # [max_batch, max_blocks]
+    block_tables: torch.Tensor  # [max_batch, max_blocks], from element `tables_at`
+    tables_at: int
 
     @classmethod
     def make(cls, max_batch: int, max_blocks: int, device: torch.device, pin: bool) -> _Buffers:
-        flat = torch.zeros(5 * max_batch + 1 + max_batch * max_blocks, dtype=torch.long, device=device,
-                           pin_memory=pin)
         b = max_batch
-        return cls(flat, flat[:b], flat[b:2 * b], flat[2 * b:3 * b], flat[3 * b:4 * b], flat[4 * b:5 * b + 1],
-                   flat[5 * b + 1:].view(b, max_blocks))
+        # each view from an even element, a 16-byte boundary: Triton's JIT specializes a kernel on its pointers'
+        # alignment, and the block tables at element 5 * b + 1 (odd for even b, 256 included) gave the graphs'
+        # attention variants that nothing compiled ahead (`workers/kernel_variants.py`)
+        seg = (b + 2) // 2 * 2  # at least b + 1 (query_start_loc's length), even
+        at = 5 * seg
+        flat = torch.zeros(at + b * max_blocks, dtype=torch.long, device=device, pin_memory=pin)
+        return cls(flat, flat[:b], flat[seg:seg + b], flat[2 * seg:2 * seg + b], flat[3 * seg:3 * seg + b],
+                   flat[4 * seg:4 * seg + b + 1], flat[at:].view(b, max_blocks), at)
 
 
 class DecodeGraphs:
@@ -150,7 +155,7 @@ class DecodeGraphs:
         self._pad(n, size)
         # the step's inputs and the block-table rows of its graph's size: a prefix of the buffer (all of it,
         # 1 MB at 256 rows of 512 blocks, was copied for every step, one row's included)
-        self.copied = 5 * self._dev.input_ids.shape[0] + 1 + size * self.max_blocks
+        self.copied = self._dev.tables_at + size * self.max_blocks
         self._dev.flat[:self.copied].copy_(h.flat[:self.copied], non_blocking=True)
         if device_ids is not None:
             self._dev.input_ids[:n].copy_(device_ids)

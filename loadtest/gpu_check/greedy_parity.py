@@ -16,8 +16,8 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def _run(plan: Plan, model: str, dtype: str, device: str, backend: str, graphs: bool, prompts,
-         speculative_tokens: int = 0, drafts: dict | None = None) -> list[list[int]]:
-    engine = make_engine(plan, model, dtype, device, backend, graphs, max_num_seqs=max(len(prompts), 8),
+         speculative_tokens: int = 0, drafts: dict | None = None, max_num_seqs: int | None = None) -> list[list[int]]:
+    engine = make_engine(plan, model, dtype, device, backend, graphs, max_num_seqs=max_num_seqs or max(len(prompts), 8),
                          speculative_tokens=speculative_tokens)
     tokens = generate(engine, prompts, greedy(plan.parity_tokens))
     if drafts is not None:  # speculation's drafts computed and kept
@@ -46,14 +46,21 @@ def graphs_on_vs_off(plan: Plan, model: str, vocab: int, dtype: str = "bfloat16"
             "tokens_per_prompt": plan.parity_tokens, **result}
 
 
+SPECULATIVE_TOKENS = 4  # the serving default
+
+
 def speculative_vs_plain(plan: Plan, model: str, vocab: int) -> dict:
     """float32 on the device with its graphs: speculation (4 drafts, the serving default) against none. A
     random-weight model repeats itself, so its lookups find drafts; the tokens must not change."""
     prompts = random_prompts(plan.parity_prompts, plan.parity_prompt_len, vocab, seed=3)
     graphs = not plan.dry_run
-    plain = _run(plan, model, "float32", plan.device, "triton", graphs, prompts)
+    # graphs as large as the prompts' steps with their drafts: with CUDA graphs the engine drafts only for as
+    # many requests as the largest graph holds with theirs (`default_speculation_limit`), one of 8 at 8 rows
+    rows = len(prompts) * (1 + SPECULATIVE_TOKENS)
+    plain = _run(plan, model, "float32", plan.device, "triton", graphs, prompts, max_num_seqs=rows)
     drafts: dict = {}
-    spec = _run(plan, model, "float32", plan.device, "triton", graphs, prompts, speculative_tokens=4, drafts=drafts)
+    spec = _run(plan, model, "float32", plan.device, "triton", graphs, prompts, speculative_tokens=SPECULATIVE_TOKENS,
+                drafts=drafts, max_num_seqs=rows)
     result = compare(plain, spec)
     # the dry run's three tokens leave no room for a draft; on the device's plan (8 x 24 tokens) this model
     # kept 75 of 78 drafts on the CPU

@@ -361,3 +361,30 @@ def test_a_decode_steps_time_is_its_period_not_its_call():
     assert all(t < 0.015 for t in run["decode_calls"]) and len(run["decode_calls"]) == 4
     engine.scheduler.num_waiting = 1
     assert decode_context(engine, 2) is None
+
+
+def test_the_speculative_parity_check_lets_every_prompt_draft(monkeypatch):
+    """With CUDA graphs the engine drafts only for as many requests as its largest graph holds with their drafts
+    (`default_speculation_limit`); the check's engines, sized to the prompts alone, drafted for one of eight,
+    and none drafted on the GPU. Both its engines now hold every prompt's step with its drafts."""
+    import dataclasses
+
+    from loadtest.gpu_check import greedy_parity
+    from loadtest.gpu_check.plan import Plan
+    from workers.config import EngineConfig, default_speculation_limit
+
+    seen: list[dict] = []
+
+    def run(plan, model, dtype, device, backend, graphs, prompts, speculative_tokens=0, drafts=None,
+            max_num_seqs=None):
+        seen.append({"prompts": len(prompts), "rows": max_num_seqs, "spec": speculative_tokens})
+        if drafts is not None:
+            drafts.update(drafts=1, kept=1)
+        return [[1, 2]] * len(prompts)
+
+    monkeypatch.setattr(greedy_parity, "_run", run)
+    plan = dataclasses.replace(Plan.dry(), parity_prompts=8)
+    assert greedy_parity.speculative_vs_plain(plan, "m", 100)["passed"]
+    assert [s["spec"] for s in seen] == [0, 4] and seen[0]["rows"] == seen[1]["rows"]  # like with like
+    config = EngineConfig(num_speculative_tokens=seen[1]["spec"], max_num_seqs=seen[1]["rows"])
+    assert default_speculation_limit(config, seen[1]["rows"]) >= seen[1]["prompts"] == 8

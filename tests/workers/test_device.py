@@ -140,7 +140,11 @@ def test_graph_padding_rows_write_nowhere_and_see_one_key():
                                   torch.tensor([21]), 4, 2, 1)
     graphs.run(torch.tensor([14]), torch.tensor([5]), one)
     m = seen[1]  # a one-row step copies the inputs and one row of block table, not the other rows
-    assert graphs.copied == 5 * 4 + 1 + 3
+    assert graphs.copied == 5 * 6 + 3  # the inputs (each from an even element: 16-byte aligned), one table row
+    for buffers in (graphs._dev, *graphs._hosts):
+        views = (buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.seq_lens,
+                 buffers.query_start_loc, buffers.block_tables)
+        assert all(v.data_ptr() % 16 == 0 for v in views)  # as the compiled kernel variants assume
     assert m["slot"].tolist() == [21] and m["seq_lens"].tolist() == [6] and m["tables"].tolist() == [[5, 2, 0]]
     wide = CommonAttentionMetadata(torch.tensor([1]), torch.tensor([0, 1]), torch.tensor([20]),
                                    torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([70]), 4, 2, 1)
