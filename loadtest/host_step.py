@@ -10,7 +10,8 @@ every decode-only step is split into its phases, each timed where the engine cal
 - `step_inputs`: `build_step_inputs` (the flat batch, block tables, slot mapping, sampling specs), or
   `build_ahead_inputs` for a step queued ahead (`--async-scheduling`);
 - `forward`: the model itself (device work on a GPU);
-- `sample`: the sampler, its tensor ops and its per-row Python, and the wait for its copy back;
+- `sample`: the sampler (`launch_sample`, or `launch_greedy` for plain greedy rows), its tensor ops and its
+  per-row Python, and the wait for its copy back;
 - `update`: `Scheduler.update_from_output` (tokens applied, stops, prefix-cache publishing);
 - `outputs`: `OutputProcessor.process` (detokenizing, stop strings, `RequestOutput`s);
 - `other`: the rest of `Engine.step`.
@@ -96,19 +97,21 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     timers = {"schedule": Timed(sched.schedule), "step_inputs": Timed(model_runner.build_step_inputs),
               "forward": Timed(runner._forward), "sample": Timed(model_runner.launch_sample),
               "update": Timed(sched.update_from_output), "outputs": Timed(outputs.process)}
-    # a second timer in some phases: a step queued ahead builds its inputs apart; the sampler's wait
-    more = {"step_inputs": Timed(model_runner.build_ahead_inputs), "sample": Timed(PendingSample.result)}
+    # more timers in some phases: a step queued ahead builds its inputs apart; the sampler's wait; a batch of
+    # plain greedy rows samples through `launch_greedy`
+    more = {"step_inputs": [Timed(model_runner.build_ahead_inputs)],
+            "sample": [Timed(PendingSample.result), Timed(model_runner.launch_greedy)]}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
     graphs = runner.graphs  # a decode step that replays a CUDA graph calls this instead of `_forward`
     if graphs is not None:
         graphs.run = Timed(graphs.run)
     model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"], timers["sample"]
-    model_runner.build_ahead_inputs = more["step_inputs"]
-    PendingSample.result = lambda pending: more["sample"](pending)
+    model_runner.build_ahead_inputs, model_runner.launch_greedy = more["step_inputs"][0], more["sample"][1]
+    PendingSample.result = lambda pending: more["sample"][0](pending)
 
     def seconds(phase: str) -> float:
-        return timers[phase].seconds + (more[phase].seconds if phase in more else 0.0)
+        return timers[phase].seconds + sum(t.seconds for t in more.get(phase, ()))
     prof = cProfile.Profile() if profile else None
     walls: list[float] = []
     per_phase: dict[str, list[float]] = {k: [] for k in PHASES}
@@ -146,7 +149,8 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
         if graphs is not None:
             del graphs.run
         model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"].fn, timers["sample"].fn
-        model_runner.build_ahead_inputs, PendingSample.result = more["step_inputs"].fn, more["sample"].fn
+        model_runner.build_ahead_inputs, model_runner.launch_greedy = more["step_inputs"][0].fn, more["sample"][1].fn
+        PendingSample.result = more["sample"][0].fn
         engine.abort_request(engine.unfinished_request_ids())
         while engine.has_unfinished_requests():
             engine.step()

@@ -179,6 +179,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return pending.result()
 
 
+def launch_greedy(logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax
+                  ) -> PendingSample:
+    """`launch_sample` for rows that are all plain greedy ones (no bans, bias, penalties, seeds or logprobs):
+    each row's argmax, and the copy back, without `launch_sample`'s passes over the rows' params."""
+    tokens = argmax(logits)
+    n = logits.shape[0]
+    return _copy_back(tokens, tokens, lambda host: SampleOutput(host, [None] * n))
+
+
 def launch_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                   banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
                   extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,

@@ -184,17 +184,18 @@ class Scheduler:
         is short of a slot: then `schedule` decides in turn (and preempts)."""
         if not self.may_run_ahead():
             return None
-        out, rows = SchedulerOutput(), []
+        reqs: list[Request] = []
+        rows: list[int] = []
+        add_req, add_row, allocate = reqs.append, rows.append, self.kv_cache.allocate_slots
         bs = self.kv_cache.block_size
-        for i, r in enumerate(current.requests):
-            if r.status.finished or len(r.all_token_ids) + 1 - r.num_prompt_tokens >= r.max_tokens:
+        for i, r in enumerate(current.requests):  # at batch 256, every decode step: kept lean
+            if r.status.finished or len(r.all_token_ids) + 1 - len(r.prompt_token_ids) >= r.max_tokens:
                 continue
-            if r.num_computed_tokens + 2 > len(r.block_ids) * bs and not self.kv_cache.allocate_slots(r, 2):
+            if r.num_computed_tokens + 2 > len(r.block_ids) * bs and not allocate(r, 2):
                 return None
-            out.requests.append(r)
-            out.num_new_tokens.append(1)
-            rows.append(i)
-        return (out, rows) if out.requests else None
+            add_req(r)
+            add_row(i)
+        return (SchedulerOutput(reqs, [1] * len(reqs)), rows) if reqs else None
 
     @staticmethod
     def _may_speculate(req: Request) -> bool:
@@ -292,20 +293,21 @@ class Scheduler:
         sampled: list[Request] = []
         tokens = iter(sampled_token_ids)
         bs = self.kv_cache.block_size
+        add, check_stop, forks = sampled.append, self.check_stop, self.pending_forks  # a lean loop (256 a step)
         for req, n in zip(out.requests, out.num_new_tokens):
             if req.spec_token_ids:
                 self._apply_drafts(req, (accepted or {}).get(req.request_id, 0), next(tokens))
-                sampled.append(req)
+                add(req)
                 continue
-            req.num_computed_tokens += n
-            if n > 1 or req.num_computed_tokens % bs == 0:  # else no block filled: nothing to publish
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            if n > 1 or computed % bs == 0:  # else no block filled: nothing to publish
                 self.kv_cache.cache_computed_blocks(req)
-            if req.num_computed_tokens == len(req.all_token_ids):
-                if req.request_id in self.pending_forks:
+            if computed == len(req.all_token_ids):
+                if forks and req.request_id in forks:
                     self._release_siblings(req, share=True)
                 req.append_token(next(tokens))
-                sampled.append(req)
-                status = self.check_stop(req)
+                add(req)
+                status = check_stop(req)
                 if status is not None:
                     self.finish_requests([req], status)
         return sampled

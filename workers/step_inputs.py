@@ -31,6 +31,14 @@ class SampleSpec:
     params: SamplingParams
     ban: list[int] | None
     history: History | None = None
+    # greedy, unseeded, banning nothing, logits as the model gave them, no logprobs: a batch of such rows
+    # samples by argmax alone (`sampler.launch_greedy`)
+    plain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.plain = (p.greedy and self.seed is None and not self.ban and self.history is None
+                      and not p.adjusts_logits and p.logprobs is None)
 
 
 @dataclass(slots=True)

@@ -205,3 +205,34 @@ def test_seeded_rows_draw_the_same_tokens_whatever_their_batch():
         return sample(logits[rows], [params[i] for i in rows], gens).token_ids
 
     assert draw([0, 1, 2])[:2] == draw([0, 1]) == [draw([0])[0], draw([1])[0]]
+
+
+def test_a_batch_of_plain_greedy_rows_samples_by_argmax_alone(llm, monkeypatch):
+    """Rows that are greedy, unseeded, ban nothing, keep their logits and want no logprobs are `plain`; a step
+    of only such rows samples through `launch_greedy` (no passes over each row's params), with
+    `launch_sample`'s tokens; one row that is not plain sends the whole step the general way."""
+    from workers import model_runner
+    from workers.sampler import launch_greedy, launch_sample
+    from workers.step_inputs import SampleSpec
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    assert SampleSpec("a", None, greedy, None).plain and SampleSpec("a", None, greedy, []).plain
+    assert not SampleSpec("a", 7, greedy, None).plain  # seeded
+    assert not SampleSpec("a", None, greedy, [3]).plain  # a ban (min_tokens, bad words)
+    assert not SampleSpec("a", None, SamplingParams(temperature=0.0, logprobs=1), None).plain
+    assert not SampleSpec("a", None, SamplingParams(temperature=0.0, logit_bias={5: 1.0}), None).plain
+    assert not SampleSpec("a", None, SamplingParams(temperature=0.7), None).plain
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    assert launch_greedy(logits).result() == launch_sample(logits, [greedy] * 5, [None] * 5).result()
+
+    paths: list[str] = []
+    real_greedy, real_sample = model_runner.launch_greedy, model_runner.launch_sample
+    monkeypatch.setattr(model_runner, "launch_greedy", lambda *a, **k: paths.append("greedy") or real_greedy(*a, **k))
+    monkeypatch.setattr(model_runner, "launch_sample", lambda *a, **k: paths.append("sample") or real_sample(*a, **k))
+    plain = llm.generate([PROMPT, "another prompt"], greedy)
+    assert set(paths) == {"greedy"} and len(paths) >= 4
+    paths.clear()
+    seeded = SamplingParams(max_tokens=4, temperature=0.0, seed=3)
+    mixed = llm.generate([PROMPT, "another prompt"], [greedy, seeded])
+    assert set(paths) == {"sample"}
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in plain]
