@@ -210,8 +210,8 @@ class ModelRunner:
         if plan is not None:
             extra = plan.pack(logits[len(specs):], targets)
             logits = logits[:len(specs)]
-        # a batch of plain greedy rows (every decode step of `LLM.generate`'s default, the check's batch)
-        # skips the passes over each row's params and generator: at batch 256 a GPU step's host time
+        # a batch of plain greedy rows (`LLM.generate`'s default, the GPU check's batch) skips the passes over
+        # each row's params and generator: host time every step, which at batch 256 sets a GPU's step
         plain = extra is None and step.allowed is None and all(s.plain for s in specs)
         gens: list[torch.Generator | None] = []
         failures: dict[str, str] = {}
