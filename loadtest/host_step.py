@@ -99,16 +99,17 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
               "update": Timed(sched.update_from_output), "outputs": Timed(outputs.process)}
     # more timers in some phases: a step queued ahead builds its inputs apart; the sampler's wait; a batch of
     # plain greedy rows samples through `launch_greedy`
-    more = {"step_inputs": [Timed(model_runner.build_ahead_inputs)],
-            "sample": [Timed(PendingSample.result), Timed(model_runner.launch_greedy)]}
+    ahead_inputs, wait, greedy = (Timed(model_runner.build_ahead_inputs), Timed(PendingSample.result),
+                                  Timed(model_runner.launch_greedy))
+    more = {"step_inputs": [ahead_inputs], "sample": [wait, greedy]}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
     graphs = runner.graphs  # a decode step that replays a CUDA graph calls this instead of `_forward`
     if graphs is not None:
         graphs.run = Timed(graphs.run)
     model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"], timers["sample"]
-    model_runner.build_ahead_inputs, model_runner.launch_greedy = more["step_inputs"][0], more["sample"][1]
-    PendingSample.result = lambda pending: more["sample"][0](pending)
+    model_runner.build_ahead_inputs, model_runner.launch_greedy = ahead_inputs, greedy
+    PendingSample.result = lambda pending: wait(pending)
 
     def seconds(phase: str) -> float:
         return timers[phase].seconds + sum(t.seconds for t in more.get(phase, ()))
@@ -149,8 +150,8 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
         if graphs is not None:
             del graphs.run
         model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"].fn, timers["sample"].fn
-        model_runner.build_ahead_inputs, model_runner.launch_greedy = more["step_inputs"][0].fn, more["sample"][1].fn
-        PendingSample.result = more["sample"][0].fn
+        model_runner.build_ahead_inputs, model_runner.launch_greedy = ahead_inputs.fn, greedy.fn
+        PendingSample.result = wait.fn
         engine.abort_request(engine.unfinished_request_ids())
         while engine.has_unfinished_requests():
             engine.step()

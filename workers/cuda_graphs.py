@@ -59,8 +59,7 @@ class _Buffers:
     slot_mapping: torch.Tensor  # [max_batch]
     seq_lens: torch.Tensor  # [max_batch]
     query_start_loc: torch.Tensor  # [max_batch + 1]
-    block_tables: torch.Tensor  # [max_batch, max_blocks], from element `tables_at`
-    tables_at: int
+    block_tables: torch.Tensor  # [max_batch, max_blocks], the buffer's last view
 
     @classmethod
     def make(cls, max_batch: int, max_blocks: int, device: torch.device, pin: bool) -> _Buffers:
@@ -72,7 +71,7 @@ class _Buffers:
         at = 5 * seg
         flat = torch.zeros(at + b * max_blocks, dtype=torch.long, device=device, pin_memory=pin)
         return cls(flat, flat[:b], flat[seg:seg + b], flat[2 * seg:2 * seg + b], flat[3 * seg:3 * seg + b],
-                   flat[4 * seg:4 * seg + b + 1], flat[at:].view(b, max_blocks), at)
+                   flat[4 * seg:4 * seg + b + 1], flat[at:].view(b, max_blocks))
 
 
 class DecodeGraphs:
@@ -155,7 +154,7 @@ class DecodeGraphs:
         self._pad(n, size)
         # the step's inputs and the block-table rows of its graph's size: a prefix of the buffer (all of it,
         # 1 MB at 256 rows of 512 blocks, was copied for every step, one row's included)
-        self.copied = self._dev.tables_at + size * self.max_blocks
+        self.copied = self._dev.block_tables.storage_offset() + size * self.max_blocks
         self._dev.flat[:self.copied].copy_(h.flat[:self.copied], non_blocking=True)
         if device_ids is not None:
             self._dev.input_ids[:n].copy_(device_ids)

@@ -61,12 +61,25 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, p
     return [done[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
-def all_decoding(engine: Engine, batch: int) -> bool:
-    """Whether the step about to run is decode-only over the whole batch: `batch` requests running, none
-    waiting, each owing just its last token."""
+def decode_context(engine: Engine, batch: int) -> int | None:
+    """The tokens of context the step about to run reads if it is decode-only over the whole batch (`batch`
+    requests running, none waiting, each owing just its last token), else None; one pass over the requests,
+    since the throughput section runs it between the steps it times."""
     s = engine.scheduler
-    return (len(s.running) == batch and s.num_waiting == 0
-            and all(r.num_computed_tokens == r.num_tokens - 1 for r in s.running))
+    if len(s.running) != batch or s.num_waiting:
+        return None
+    total = 0
+    for r in s.running:
+        n = r.num_tokens
+        if r.num_computed_tokens != n - 1:
+            return None
+        total += n
+    return total
+
+
+def all_decoding(engine: Engine, batch: int) -> bool:
+    """Whether the step about to run is decode-only over the whole batch (`decode_context`)."""
+    return decode_context(engine, batch) is not None
 
 
 def sync(engine: Engine) -> None:

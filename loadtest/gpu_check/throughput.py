@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from loadtest.gpu_check.engines import generate, greedy, make_engine, random_prompts, release_memory, sync
+from loadtest.gpu_check.engines import (decode_context, generate, greedy, make_engine, random_prompts,
+                                        release_memory, sync)
 from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
@@ -41,22 +42,6 @@ def kv_bytes_per_token(engine: Engine) -> int:
 
 def weight_bytes(engine: Engine) -> int:
     return sum(p.nbytes for p in engine.model.parameters())
-
-
-def decode_context(engine: Engine, batch: int) -> int | None:
-    """The tokens of context the step about to run reads if it is decode-only over the whole batch (`batch`
-    requests running, none waiting, each owing just its last token: `engines.all_decoding`), else None; one
-    pass over the requests, since it runs between the steps it times."""
-    s = engine.scheduler
-    if len(s.running) != batch or s.num_waiting:
-        return None
-    total = 0
-    for r in s.running:
-        n = r.num_tokens
-        if r.num_computed_tokens != n - 1:
-            return None
-        total += n
-    return total
 
 
 def _timed_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:

@@ -332,7 +332,8 @@ def test_a_decode_steps_time_is_its_period_not_its_call():
 
     import torch
 
-    from loadtest.gpu_check.throughput import _timed_run, decode_context
+    from loadtest.gpu_check.engines import decode_context
+    from loadtest.gpu_check.throughput import _timed_run
 
     class Engine:
         device = torch.device("cpu")
