@@ -8,8 +8,10 @@ every decode-only step is split into its phases, each timed where the engine cal
 
 - `schedule`: `Scheduler.schedule` (the token budget, KV slots);
 - `step_inputs`: `build_step_inputs` (the flat batch, block tables, slot mapping, sampling specs), or
-  `build_ahead_inputs` for a step queued ahead (`--async-scheduling`);
-- `forward`: the model itself (device work on a GPU);
+  `build_ahead_inputs` for a step queued ahead (`--async-scheduling`; none for one that advances the graph
+  step before it on the device, `DecodeGraphs.advance`);
+- `forward`: the model itself (device work on a GPU), or its CUDA graph's replay with the buffers' filling or
+  advancing;
 - `sample`: the sampler (`launch_sample`, or `launch_greedy` for plain greedy rows), its tensor ops and its
   per-row Python, and the wait for its copy back;
 - `update`: `Scheduler.update_from_output` (tokens applied, stops, prefix-cache publishing);
@@ -17,7 +19,9 @@ every decode-only step is split into its phases, each timed where the engine cal
 - `other`: the rest of `Engine.step`.
 
 `host_ms` is the step less `forward` and `sample`: what a GPU would wait for on every step whatever its
-speed. Configurations run in the same process; `--rounds` repeats the measurement and the median counts."""
+speed. Beside the wall time, the thread's CPU time of the step and of its Python-only phases
+(`thread_cpu_ms_per_step`): a phase whose CPU time falls short of its wall time had its thread off the CPU.
+Configurations run in the same process; `--rounds` repeats the measurement and the median counts."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from typing import Any
 from loadtest.results import Timed, git_commit, loadavg, write_json
 
 PHASES = ("schedule", "step_inputs", "forward", "sample", "update", "outputs")
+CPU_PHASES = ("step_inputs", "update", "outputs")  # Python on the host alone, on any device
 TOP_FUNCTIONS = 25
 BLOCK_SIZE = 16  # the engine's default
 
@@ -104,18 +109,27 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     more = {"step_inputs": [ahead_inputs], "sample": [wait, greedy]}
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
-    graphs = runner.graphs  # a decode step that replays a CUDA graph calls this instead of `_forward`
+    graphs = runner.graphs  # a decode step that replays a CUDA graph calls one of these instead of `_forward`
     if graphs is not None:
-        graphs.run = Timed(graphs.run)
+        graphs.run, graphs.advance = Timed(graphs.run), Timed(graphs.advance)
+
+    def replayed() -> float:
+        return graphs.run.seconds + graphs.advance.seconds if graphs is not None else 0.0
     model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"], timers["sample"]
     model_runner.build_ahead_inputs, model_runner.launch_greedy = ahead_inputs, greedy
     PendingSample.result = lambda pending: wait(pending)
 
     def seconds(phase: str) -> float:
         return timers[phase].seconds + sum(t.seconds for t in more.get(phase, ()))
+
+    def cpu_seconds(phase: str) -> float:
+        return timers[phase].cpu_seconds + sum(t.cpu_seconds for t in more.get(phase, ()))
     prof = cProfile.Profile() if profile else None
     walls: list[float] = []
     per_phase: dict[str, list[float]] = {k: [] for k in PHASES}
+    # the thread's CPU time in the steps and in their Python-only phases: short of the wall time by what the
+    # thread spent off the CPU (descheduled; a wait that sleeps)
+    cpu_per_phase: dict[str, list[float]] = {k: [] for k in ("step", *CPU_PHASES)}
     schedules = 0  # steps that called the scheduler (with async scheduling, most run a step queued ahead)
     gc_s, gc_counts = 0.0, [0, 0, 0]
     clock = _GcClock()
@@ -125,14 +139,15 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
             if decoding and len(walls) >= steps:
                 break
             before = {k: seconds(k) for k in timers}
+            cpu_before = {k: cpu_seconds(k) for k in CPU_PHASES}
             scheduled = timers["schedule"].calls
-            before["forward"] += graphs.run.seconds if graphs is not None else 0.0
+            before["forward"] += replayed()
             if decoding and prof is not None:
                 prof.enable()
             with clock:
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 engine.step()
-                wall = time.perf_counter() - start
+                wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
             if decoding and prof is not None:
                 prof.disable()
             if decoding:
@@ -142,13 +157,15 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
                 schedules += timers["schedule"].calls > scheduled
                 for k in PHASES:
                     per_phase[k].append(seconds(k) - before[k])
-                if graphs is not None:
-                    per_phase["forward"][-1] += graphs.run.seconds
+                cpu_per_phase["step"].append(cpu)
+                for k in CPU_PHASES:
+                    cpu_per_phase[k].append(cpu_seconds(k) - cpu_before[k])
+                per_phase["forward"][-1] += replayed()
             clock.seconds, clock.collections = 0.0, [0, 0, 0]
     finally:
         del sched.schedule, sched.update_from_output, runner._forward, outputs.process
         if graphs is not None:
-            del graphs.run
+            del graphs.run, graphs.advance
         model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"].fn, timers["sample"].fn
         model_runner.build_ahead_inputs, model_runner.launch_greedy = ahead_inputs.fn, greedy.fn
         PendingSample.result = wait.fn
@@ -163,8 +180,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     ms["other"] = ms["step"] - sum(ms[k] for k in PHASES)
     ms["host"] = ms["step"] - ms["forward"] - ms["sample"]
     ms["gc"] = 1e3 * gc_s / n  # inside whichever phases the collections fell in
+    cpu_ms = {k: round(1e3 * sum(v) / n, 4) for k, v in cpu_per_phase.items()}
     result = {"decode_steps": len(walls), "scheduled_steps": schedules, "ms_per_step": {k: round(v, 4) for k, v in ms.items()},
-              "gc_collections_by_generation": gc_counts}
+              "thread_cpu_ms_per_step": cpu_ms, "gc_collections_by_generation": gc_counts}
     if prof is not None:
         stats = pstats.Stats(prof).stats
         rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:TOP_FUNCTIONS]
@@ -202,6 +220,7 @@ def run_host_step(args: argparse.Namespace) -> int:
             load.append(loadavg())
             print("round", r + 1, " ".join(f"{k} {v:.3f}" for k, v in rounds[-1]["ms_per_step"].items()),
                   "gc collections", rounds[-1]["gc_collections_by_generation"])
+            print("  thread CPU ms:", " ".join(f"{k} {v:.3f}" for k, v in rounds[-1]["thread_cpu_ms_per_step"].items()))
         profiled = measure(engine, prompts, args.steps, kind, profile=True) if args.profile else None
     median = {k: round(statistics.median(r["ms_per_step"][k] for r in rounds), 4) for k in rounds[0]["ms_per_step"]}
     print(f"median ms per decode step at batch {args.batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))

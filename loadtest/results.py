@@ -66,15 +66,17 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
 
 
 class Timed:
-    """Wraps a callable and adds up the seconds spent in it, and the calls."""
+    """Wraps a callable and adds up the seconds spent in it, the calling thread's CPU seconds in it (less than
+    the seconds when the thread waited off the CPU: descheduled, or asleep in a call), and the calls."""
 
     def __init__(self, fn) -> None:
-        self.fn, self.seconds, self.calls = fn, 0.0, 0
+        self.fn, self.seconds, self.cpu_seconds, self.calls = fn, 0.0, 0.0, 0
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return self.fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu
             self.calls += 1

@@ -9,6 +9,7 @@ run eagerly. The capture function is a parameter so that the ladder and padding 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,10 +95,17 @@ class DecodeGraphs:
                        for _ in range(2)]
         self._host = self._hosts[0]
         self._dev = _Buffers.make(max_batch, max_blocks, device, pin=False)
+        # `advance`'s new block ids (index, id pairs; up to two blocks a row), staged in pinned memory taken in
+        # turn as the host buffers are
+        self.max_new_blocks = 2 * max_batch
+        self._new_blocks = [torch.zeros(2 * self.max_new_blocks, dtype=torch.long, pin_memory=device.type == "cuda")
+                            for _ in range(2)]
+        self._turn = 0
         # every row samples: the logits rows of a step of `size` are rows[:size]
         self.rows = torch.arange(max_batch, device=device)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.copied = 0  # elements of the last step's host-to-device copy
+        self.steps_advanced = 0  # steps run by `advance`
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         d = self._dev
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
@@ -160,6 +168,39 @@ class DecodeGraphs:
             self._dev.input_ids[:n].copy_(device_ids)
         if self._prepare is not None:
             self._prepare(self._metas[size], h.seq_lens[:size], h.block_tables[:size])
+        return self._replay(n, size)
+
+    @property
+    def advances(self) -> bool:
+        """Whether `advance` may run a step (not with a backend that plans each step on the host)."""
+        return self._prepare is None
+
+    def advance(self, n: int, new_blocks: list[int], device_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Logits of the decode step after the last one replayed, over the same `n` rows in the same order,
+        each one position further, its input id from `device_ids` (the step before's sampled ids, on the
+        device): the buffers are advanced on the device (positions, context lengths and slots), with no host
+        tensor built and no copy but `new_blocks`, the block ids rows took since (an index into the flattened
+        block tables, then a block id, for each of at most `max_new_blocks`). vLLM's multi-step scheduling
+        advanced its steps on the device alike; here it saves the host a step's inputs (`build_ahead_inputs`
+        and `run`'s buffers: ~0.2 ms at batch 256 on a 2-core Zen 4)."""
+        d = self._dev
+        if new_blocks:
+            self._turn ^= 1
+            staged = self._new_blocks[self._turn][:len(new_blocks)]
+            staged.copy_(torch.frombuffer(array("q", new_blocks), dtype=torch.long))
+            pairs = staged.to(self.device, non_blocking=True).view(-1, 2)
+            d.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1])
+        positions = d.positions[:n]
+        positions += 1
+        torch.add(positions, 1, out=d.seq_lens[:n])
+        index = positions // block_size
+        blocks = d.block_tables[:n].gather(1, index[:, None])[:, 0]
+        torch.add(positions, blocks - index, alpha=block_size, out=d.slot_mapping[:n])
+        d.input_ids[:n].copy_(device_ids)
+        self.steps_advanced += 1
+        return self._replay(n, self.padded_size(n))
+
+    def _replay(self, n: int, size: int) -> torch.Tensor:
         replay, logits = self._graphs[size]
         replay()
         return logits[:n]

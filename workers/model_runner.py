@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,12 +21,22 @@ from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
 from workers.ngram import accept_drafts
 from workers.penalties import device_tensor
+from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
 from workers.sampler import PendingSample, RowBitmask, SampleOutput, launch_greedy, launch_sample
 from workers.scheduler import SchedulerOutput
-from workers.step_inputs import StepInputs, build_ahead_inputs, build_step_inputs, sampled_requests
+from workers.step_inputs import SampleSpec, StepInputs, build_ahead_inputs, build_step_inputs, sampled_requests
 from workers.step_isolation import RequestsFailed
 from workers.structured_output import StructuredOutputManager
+
+
+@dataclass(slots=True)
+class _GraphStep:
+    """A decode step queued from a CUDA graph without waiting: its sampling, and each row's count of block ids
+    in the graph's buffers."""
+
+    pending: PendingSample
+    blocks: list[int]
 
 
 class ModelRunner:
@@ -46,6 +57,8 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
+        self._graph_step: _GraphStep | None = None  # the last step queued from a graph (`launch_ahead`)
+        self._replayed = False  # whether the last forward pass replayed a graph
         # Two pinned staging buffers taken in turn: a step's inputs are written into one while the copy
         # from the other may still be queued behind the step in flight (`Engine.async_scheduling`).
         self._staging = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]
@@ -63,6 +76,7 @@ class ModelRunner:
         prepare = None  # a backend without host work per graph step is not called (two views a step saved)
         if type(self.attn).prepare_graph_step is not AttentionBackend.prepare_graph_step:
             prepare = functools.partial(self.attn.prepare_graph_step, block_size=self.block_size)
+        self._graph_step = None
         self.graphs = DecodeGraphs(self._forward, self.attn.graph_metadata, max_batch, max_blocks, self.device,
                                    capture, prepare)
 
@@ -148,23 +162,63 @@ class ModelRunner:
         if self.structured is not None and self.structured.active:
             # filled on the host while the device runs the forward pass
             step.allowed = self.structured.bitmask(sampled_requests(out))
-        return self._sample(logits, step, targets)
+        return self._sample(logits, step.samples, step.prompt_logprobs, step.allowed, step.drafts, targets)
 
     def launch(self, out: SchedulerOutput) -> PendingSample:
         """A decode-only step without drafts, queued on the device and not waited for (see
         `Engine.async_scheduling`)."""
         step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
         logits, _ = self._forward_step(step)
-        return self._sample(logits, step, defer=True)
+        return self._launched(out.requests, self._sample(logits, step.samples, defer=True))
 
     def launch_ahead(self, reqs: list[Request], after: PendingSample, rows: list[int] | None) -> PendingSample:
         """The decode step of `reqs` after the step `after` (still on the device), queued behind it: each
         request's input is its token from `after` (row `rows[i]` of its sampled ids; all rows in order when
-        `rows` is None), read on the device (`build_ahead_inputs`)."""
+        `rows` is None), read on the device (`build_ahead_inputs`). When `after` was the last graph replayed
+        and every one of its rows goes on, its graph's buffers are advanced on the device instead
+        (`DecodeGraphs.advance`)."""
+        last, self._graph_step = self._graph_step, None
+        if rows is None and last is not None and last.pending is after:
+            logits = self._advance(reqs, after, last.blocks)
+            if logits is not None:
+                pending = self._sample(logits, [r.sample_spec for r in reqs], defer=True)
+                self._graph_step = _GraphStep(pending, last.blocks)
+                return pending
         step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
         ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
         logits, _ = self._forward_step(step, ids)
-        return self._sample(logits, step, defer=True)
+        return self._launched(reqs, self._sample(logits, step.samples, defer=True))
+
+    def _launched(self, reqs: list[Request], pending: PendingSample) -> PendingSample:
+        """Remember a step queued from a graph (`launch_ahead` may advance it), with each row's block ids in
+        the graph's buffers."""
+        if self._replayed:
+            self._graph_step = _GraphStep(pending, [len(r.block_ids) for r in reqs])
+        return pending
+
+    def _advance(self, reqs: list[Request], after: PendingSample, blocks: list[int]) -> torch.Tensor | None:
+        """The logits of the step after `after` over the same rows, by `DecodeGraphs.advance`, with the block
+        ids the rows took since (`blocks`, each row's count in the buffers, is brought up to date); None when
+        it cannot (a backend that plans on the host, a row over the buffers' width or with blocks fewer, more
+        new blocks than the staging holds)."""
+        graphs = self.graphs
+        if not graphs.advances:
+            return None
+        width = graphs.max_blocks
+        new: list[int] = []
+        for i, r in enumerate(reqs):  # every step at batch 256: a length compared, most rows
+            ids = r.block_ids
+            have = blocks[i]
+            if len(ids) != have:
+                if not have < len(ids) <= width:
+                    return None
+                for c in range(have, len(ids)):
+                    new += (i * width + c, ids[c])
+                blocks[i] = len(ids)
+        if len(new) > 2 * graphs.max_new_blocks:
+            return None
+        self._replayed = True
+        return graphs.advance(len(reqs), new, after.tokens, self.block_size)
 
     def run(self, step: StepInputs) -> SampleOutput:
         """Forward the step's batch and sample its `samples` rows (after forgetting `step.released`); a
@@ -173,7 +227,7 @@ class ModelRunner:
         logits, targets = self._forward_step(step)
         if step.allowed is not None and step.allowed.rows.device != self.device:
             step.allowed = RowBitmask(step.allowed.rows.to(self.device), step.allowed.bits.to(self.device))
-        return self._sample(logits, step, targets)
+        return self._sample(logits, step.samples, step.prompt_logprobs, step.allowed, step.drafts, targets)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The logits of the step's `logits_indices` rows, then of its prompt-logprobs rows if any (a
@@ -185,8 +239,10 @@ class ModelRunner:
         """The step's logits and, with a prompt-logprobs plan, the prompt tokens its extra rows score (on
         the device, in the same copy as the inputs). `input_ids`, on the device, replace the step's own."""
         common, plan = step.common, step.prompt_logprobs
-        if (plan is None and self.graphs is not None and len(step.samples) == common.query_lens.shape[0]
-                and self.graphs.supports(common)):
+        self._graph_step = None  # the graphs' buffers are rewritten, or the step is not one `launch_ahead` advances
+        self._replayed = (plan is None and self.graphs is not None and len(step.samples) == common.query_lens.shape[0]
+                          and self.graphs.supports(common))
+        if self._replayed:
             return self.graphs.run(step.input_ids, step.positions, common, input_ids), None
         parts = [step.input_ids, step.positions, step.logits_indices]
         if plan is not None:
@@ -198,21 +254,21 @@ class ModelRunner:
         logits = self._forward(ids, positions, self.attn.build_metadata(common), logits_indices)
         return logits, targets[0] if targets else None
 
-    def _sample(self, logits: torch.Tensor, step: StepInputs, targets: torch.Tensor | None = None,
-                defer: bool = False):
-        """Sample one row per `step.samples` (the first rows of `logits`; the rest, with `targets`, are the
-        prompt-logprobs plan's). Raises `RequestsFailed` naming the requests whose seeded generator could
+    def _sample(self, logits: torch.Tensor, specs: list[SampleSpec], plan: PromptLogprobsPlan | None = None,
+                allowed: RowBitmask | None = None, drafts: list[list[int]] | None = None,
+                targets: torch.Tensor | None = None, defer: bool = False):
+        """Sample one row per `specs` (the first rows of `logits`; the rest, with `targets`, are the
+        prompt-logprobs `plan`'s; `drafts`, a step's per sampling request, if any). Raises `RequestsFailed` naming the requests whose seeded generator could
         not be built; if sampling fails, seeded generators are put back as they were, so a retry draws the
         same noise. Grammar-constrained rows sample from their allowed tokens. `defer`: return the
         `PendingSample` without waiting for it (a step without drafts or prompt logprobs)."""
-        specs, plan = step.samples, step.prompt_logprobs
         extra = None
         if plan is not None:
             extra = plan.pack(logits[len(specs):], targets)
             logits = logits[:len(specs)]
         # a batch of plain greedy rows (`LLM.generate`'s default, the GPU check's batch) skips the passes over
         # each row's params and generator: host time every step, which at batch 256 sets a GPU's step
-        plain = extra is None and step.allowed is None and all(s.plain for s in specs)
+        plain = extra is None and allowed is None and all(s.plain for s in specs)
         gens: list[torch.Generator | None] = []
         failures: dict[str, str] = {}
         for spec in () if plain else specs:
@@ -228,9 +284,9 @@ class ModelRunner:
                 pending = launch_greedy(logits, self.model.ops.argmax)
             else:
                 pending = launch_sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
-                                        [s.history for s in specs], extra, step.allowed, self.model.ops.argmax)
+                                        [s.history for s in specs], extra, allowed, self.model.ops.argmax)
             if defer:
-                assert plan is None and not step.drafts, "only a step without drafts or prompt logprobs is deferred"
+                assert plan is None and not drafts, "only a step without drafts or prompt logprobs is deferred"
                 return pending
             if self.before_sync is not None:
                 self.before_sync()
@@ -241,6 +297,6 @@ class ModelRunner:
             raise
         if plan is not None:
             result.prompt_logprobs = plan.unpack(result.extra)
-        if step.drafts:
-            result = accept_drafts(result, [s.request_id for s in specs], step.drafts)
+        if drafts:
+            result = accept_drafts(result, [s.request_id for s in specs], drafts)
         return result

@@ -19,15 +19,17 @@ cd "$(dirname "$0")/../.."
 timeout 300 python3 -m loadtest.gpu_check --model .gpu_check/model --out "$OUT" > "$OUT/gpu_check.log" 2>&1
 echo "gpu_check exit $?"
 tail -45 "$OUT/gpu_check.log"
-# the engine's own Python per decode step on this machine's CPU, the model on the GPU (graphs on)
+# the engine's own Python per decode step on this machine's CPU, the model on the GPU (graphs on), each with
+# a last round under Python's profiler (in the JSON) and the thread's CPU time per phase: the last lease's
+# async process ran every phase slower than the in-turn one, the same Python included
 timeout 75 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
-    --rounds 3 --steps 48 --out "$OUT" > /tmp/host_step.log 2>&1
+    --rounds 3 --steps 48 --profile --out "$OUT" > /tmp/host_step.log 2>&1
 echo "host_step exit $?"
 # the same without async scheduling (each step queued once the one before is done): the A/B
 timeout 60 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
-    --rounds 2 --steps 48 --no-async-scheduling --out "$OUT" > /tmp/host_step_in_turn.log 2>&1
+    --rounds 2 --steps 48 --no-async-scheduling --profile --out "$OUT" > /tmp/host_step_in_turn.log 2>&1
 echo "host_step in turn exit $?"
-tail -2 /tmp/host_step.log /tmp/host_step_in_turn.log
+grep -h -A1 "^round\|^median" /tmp/host_step.log /tmp/host_step_in_turn.log
 # the Triton kernels and the CUDA IPC hand-off, on the GPU (the AOT sm_90 compile is CI's, on the CPU)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
     tests/kernels/test_triton_layer_ops.py tests/kernels/test_triton_linear.py tests/workers/test_kv_transfer_cuda_ipc.py \

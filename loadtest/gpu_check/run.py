@@ -155,7 +155,10 @@ def throughput(plan, model: str, vocab: int) -> dict:
              # ... and drafts at any batch (steps of more rows than a graph run eagerly, and in turn)
              "graphs_drafting_always": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True,
                                                         speculative_tokens=EngineConfig.num_speculative_tokens,
-                                                        speculation_limit=plan.batch)}
+                                                        speculation_limit=plan.batch),
+             # the default once more, last: whether a configuration's place in the order moves its step (the
+             # first H100 run's two async runs, the same path at this batch, were 0.54 ms a step apart)
+             "graphs_again": batch_throughput(plan, model, vocab, True, bandwidth, overlap=True, ahead=ahead)}
     single = {"graphs": batch1_decode(plan, model, vocab, True), "eager": batch1_decode(plan, model, vocab, False)}
     eager_tok_s = single["eager"]["decode_tok_s"]
     speedup = single["graphs"]["decode_tok_s"] / eager_tok_s if eager_tok_s else None
@@ -309,7 +312,7 @@ def summary(report: dict) -> str:
         lines.append(f"  fused norm+matmul config applied for the sections after: {ls['applied']}")
     tp = report["checks"].get("throughput", {})
     for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step", "graphs_speculating",
-                 "graphs_drafting_always"):
+                 "graphs_drafting_always", "graphs_again"):
         b = tp.get("batch", {}).get(kind, {})
         if b:
             frac = b.get("roofline_fraction")
@@ -317,7 +320,8 @@ def summary(report: dict) -> str:
             lines.append(f"  batch {b['requests']} {kind}: {b['output_tok_s']:.0f} out tok/s, decode step "
                          f"{step_ms:.2f} ms (the call {call_ms:.2f}), roofline "
                          f"{'n/a' if frac is None else f'{frac:.0%}'}"
-                         + (f", {b['kept_drafts']} of {b['draft_tokens']} drafts kept" if "draft_tokens" in b else ""))
+                         + (f", {b['kept_drafts']} of {b['draft_tokens']} drafts kept" if "draft_tokens" in b else "")
+                         + (f", {b['advanced_steps']} steps advanced on the device" if b.get("advanced_steps") else ""))
             if b.get("graph_replay", {}).get("device_step_ms"):
                 g = b["graph_replay"]
                 lines.append(f"    its graph alone: {g['device_step_ms']:.2f} ms a replay at {g['context_tokens']} "

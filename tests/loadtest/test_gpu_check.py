@@ -112,6 +112,12 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
         assert b["async_scheduling"] is False and b["output_tokens"] == b["requests"] * b["output_len"]
         assert b["draft_tokens"] >= b["kept_drafts"] >= 0
     assert tp["batch"]["graphs"]["num_speculative_tokens"] == 0 and "draft_tokens" not in tp["batch"]["graphs"]
+    # a step queued ahead over the rows of the graph step before advances its buffers on the device; the default
+    # runs again last, to show whether its place in the order moved its step
+    again = tp["batch"]["graphs_again"]
+    assert tp["batch"]["graphs"]["advanced_steps"] >= 1 and again["advanced_steps"] >= 1
+    assert tp["batch"]["graphs_in_turn"]["advanced_steps"] == tp["batch"]["eager"]["advanced_steps"] == 0
+    assert again["async_scheduling"] and again["output_tokens"] == again["requests"] * again["output_len"]
     assert tp["batch"]["graphs"]["decode_attention_config"] == sweep["default"]
     assert tp["batch"]["graphs"]["norm_linear_config"] == linear["default"]  # the dry run applies neither
     assert not tp["targets_applied"] and set(tp["targets"]) == {"decode_roofline_fraction_with_graphs",

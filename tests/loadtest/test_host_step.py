@@ -3,6 +3,8 @@ engine is left as it was."""
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest import host_step
 from workers import model_runner
 from workers.engine import Engine
@@ -24,6 +26,9 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
     assert abs(ms["step"] - sum(ms[k] for k in host_step.PHASES) - ms["other"]) < 1e-3  # each rounded to 0.1 us
     assert abs(ms["host"] - (ms["step"] - ms["forward"] - ms["sample"])) < 1e-3
     assert result["profile_top_own_time"] and sum(result["gc_collections_by_generation"]) >= 0
+    cpu = result["thread_cpu_ms_per_step"]  # the thread's CPU time: never more than the wall time
+    assert set(cpu) == {"step", *host_step.CPU_PHASES} and 0 < cpu["step"] <= ms["step"] + 0.01
+    assert all(0 < cpu[k] <= ms[k] + 0.01 for k in host_step.CPU_PHASES)
     # the wrappers are gone and nothing is left running
     assert model_runner.build_step_inputs is build and model_runner.launch_sample is sample
     assert model_runner.build_ahead_inputs is ahead and PendingSample.result is result_fn
@@ -35,19 +40,22 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
     assert host_step.measure(engine, prompts, 2, OutputKind.FINAL_ONLY)["decode_steps"] == 2
 
 
-def test_steps_that_replay_decode_graphs_count_the_replay_as_forward(tmp_path, default_model_dir):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_steps_that_replay_decode_graphs_count_the_replay_as_forward(tmp_path, default_model_dir, ahead):
     """With decode graphs (replayed eagerly on the CPU, as in the GPU check's dry run) a decode step calls
-    the graphs instead of the model: that call is the step's forward."""
+    the graphs instead of the model: that call is the step's forward, and so is advancing the graph step
+    before on the device, as steps queued ahead do (`DecodeGraphs.advance`)."""
     from workers.cuda_graphs import eager_capture
 
     model = host_step.write_model(tmp_path / "m", default_model_dir, vocab_size=512)
     engine = Engine(model=model, dtype="float32", max_num_seqs=4, kv_cache_memory="16MiB", num_threads=1,
-                    num_speculative_tokens=0, max_model_len=128, attention_backend="triton")
+                    num_speculative_tokens=0, max_model_len=128, attention_backend="triton", async_scheduling=ahead)
     engine.runner.enable_decode_graphs(4, engine.max_model_len, capture=eager_capture)
     graphs = engine.runner.graphs
-    result = host_step.measure(engine, host_step._prompts(4, 8, engine.vocab_size), 2, OutputKind.FINAL_ONLY)
-    assert result["decode_steps"] == 2 and result["ms_per_step"]["forward"] > 0
-    assert "run" not in vars(graphs)  # the wrapper is gone
+    result = host_step.measure(engine, host_step._prompts(4, 8, engine.vocab_size), 3, OutputKind.FINAL_ONLY)
+    assert result["decode_steps"] == 3 and result["ms_per_step"]["forward"] > 0
+    assert (graphs.steps_advanced >= 2) == ahead
+    assert "run" not in vars(graphs) and "advance" not in vars(graphs)  # the wrappers are gone
 
 
 def test_steps_queued_ahead_are_split_into_the_same_phases(tmp_path, default_model_dir):

@@ -104,6 +104,91 @@ def test_decode_graphs_with_async_scheduling_replay_the_eager_tokens(tiny_model_
     assert len(ahead) >= 10 and 4 in ahead
 
 
+def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_dir):
+    """A step queued ahead over the same rows as the graph step before it advances that graph's buffers on the
+    device (`DecodeGraphs.advance`) instead of building its inputs: with blocks of 4 tokens rows take new
+    blocks every few steps, and requests ending apart make the steps after an end build theirs again (fewer
+    rows), then advance again. Tokens as the torch backend's, eager."""
+    from llm_runs import PROMPTS
+
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (22, 9, 15, 22)]
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    reference = tokens(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
+                           block_size=4))
+    llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
+              num_speculative_tokens=0, async_scheduling=True, block_size=4)
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_batch=8, max_model_len=llm.engine.max_model_len, capture=eager_capture)
+    graphs = runner.graphs
+    advance, run, calls = graphs.advance, graphs.run, []
+
+    def advanced(n, new_blocks, *args):
+        calls.append(("advance", n, len(new_blocks) // 2))
+        return advance(n, new_blocks, *args)
+
+    graphs.advance = advanced
+    graphs.run = lambda *args: calls.append(("run", args[0].shape[0], 0)) or run(*args)
+    assert tokens(llm) == reference
+    advances = [c for c in calls if c[0] == "advance"]
+    assert len(advances) >= 12 and sum(c[2] for c in advances) >= 8  # new blocks reached the device buffers
+    assert {c[1] for c in advances} >= {2, 3, 4}  # advanced again after each end
+    assert llm.engine.scheduler.kv_cache.usage == 0.0
+
+
+def test_advancing_a_graph_step_gives_the_inputs_run_builds():
+    """`DecodeGraphs.advance` leaves the buffers as `run` fills them for the step after: positions and context
+    lengths one on, the slots in the rows' blocks (new ones copied in), padding rows as they were."""
+    seen = []
+
+    def forward(input_ids, positions, meta, logits_indices):
+        seen.append({"ids": input_ids.clone(), "positions": positions.clone(),
+                     **{k: v.clone() for k, v in meta.items()}})
+        return torch.zeros(input_ids.shape[0], 3)
+
+    def meta_for(slot_mapping, block_tables, seq_lens, query_start_loc):
+        return {"slot": slot_mapping, "tables": block_tables, "seq_lens": seq_lens, "qsl": query_start_loc}
+
+    from kernels.attention import CommonAttentionMetadata
+
+    def common(positions, tables):
+        n = len(positions)
+        slots = [t[p // 4] * 4 + p % 4 for p, t in zip(positions, tables)]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return CommonAttentionMetadata(torch.ones(n, dtype=torch.long), torch.arange(n + 1),
+                                       torch.tensor([p + 1 for p in positions]), torch.tensor(padded),
+                                       torch.tensor(slots), 4, 2, 1)
+
+    built = DecodeGraphs(forward, meta_for, max_batch=4, max_blocks=4, device=torch.device("cpu"),
+                         capture=eager_capture)
+    advanced = DecodeGraphs(forward, meta_for, max_batch=4, max_blocks=4, device=torch.device("cpu"),
+                            capture=eager_capture)
+    tables = [[7, 8], [3], [6, 2]]
+    positions = [6, 3, 7]
+    advanced.run(torch.tensor([1, 2, 3]), torch.tensor(positions), common(positions, tables))
+    for step in range(6):
+        new = []
+        positions = [p + 1 for p in positions]
+        for row, (p, t) in enumerate(zip(positions, tables)):
+            if p // 4 == len(t):  # the row's next block
+                t.append(20 + 3 * step + row)
+                new += [row * 4 + len(t) - 1, t[-1]]
+        ids = torch.tensor([10 + step] * 3)
+        seen.clear()
+        built.run(ids, torch.tensor(positions), common(positions, tables))
+        advanced.advance(3, new, ids, 4)
+        want, got = seen
+        for key in ("ids", "positions", "slot", "seq_lens", "qsl"):
+            assert got[key].tolist() == want[key].tolist(), (step, key)
+        for row, t in enumerate(tables):  # each row's blocks (past them: stale ids or zeros, never read)
+            assert got["tables"][row, :len(t)].tolist() == t
+        assert got["tables"][3].tolist() == want["tables"][3].tolist() == [0] * 4  # the padding row
+    assert positions == [12, 9, 13]
+
+
 def test_batch_ladder():
     assert batch_ladder(1) == [1]
     assert batch_ladder(8) == [1, 2, 4, 8]
