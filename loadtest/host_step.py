@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import tempfile
@@ -80,11 +81,36 @@ def write_model(path: Path, tokenizer_dir: str, vocab_size: int) -> str:
     return str(path)
 
 
-def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+def host_only(engine: Any, batch: int) -> None:
+    """The engine's host path of a GPU's decode steps, on the CPU: its forward pass replaced by one that returns
+    fixed logits (each row's argmax its own token), and decode steps replayed from graphs by the eager
+    stand-in (`eager_capture`) over the Triton backend's metadata, so that a step's inputs go where a CUDA
+    graph's go, and steps queued ahead advance them (`DecodeGraphs.advance`). Forward and sample are then the
+    graph's buffers and the argmax; the rest is the host's work as a GPU waits for it, less the kernels'
+    launches."""
+    import torch
+
+    from workers.cuda_graphs import eager_capture
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, engine.vocab_size, generator=generator)
+    # each row's token from the vocabulary's upper half: byte tokens (a BPE vocabulary's first 256) repeated
+    # would leave a text that never completes a character, whose every step decodes a longer window
+    half = engine.vocab_size // 2
+    logits[torch.arange(batch), half + torch.arange(batch) * 7 % half] = 10.0
+
+    def forward(input_ids, positions, meta, logits_indices):
+        return logits[:logits_indices.shape[0]]
+
+    engine.runner._forward = forward
+    engine.runner.enable_decode_graphs(batch, engine.max_model_len, capture=eager_capture)
+
+
+def _prompts(batch: int, length: int, vocab: int, first: int = 3) -> list[list[int]]:
     import random
 
     rng = random.Random(0)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+    return [[rng.randrange(first, vocab) for _ in range(length)] for _ in range(batch)]
 
 
 def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any, profile: bool = False) -> dict:
@@ -201,6 +227,11 @@ def run_host_step(args: argparse.Namespace) -> int:
     from workers.output_processor import OutputKind
 
     kind = OutputKind(args.output_kind)
+    if args.host_only:
+        if args.device != "cpu":
+            raise ValueError("--host-only runs on the CPU (a GPU runs the model itself)")
+        # the Triton backend's graph metadata, no Triton kernel: the forward pass is replaced (`host_only`)
+        os.environ["TRITON_INTERPRET"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_model(Path(tmp), args.tokenizer or default_model_path(), args.vocab_size)
         max_model_len = args.prompt_len + args.steps + 64
@@ -210,8 +241,14 @@ def run_host_step(args: argparse.Namespace) -> int:
                         max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch),
                         max_model_len=max_model_len, block_size=BLOCK_SIZE,
                         num_kv_blocks=args.batch * -(-max_model_len // BLOCK_SIZE) + 16,  # 16 to spare
-                        num_speculative_tokens=0, async_scheduling=args.async_scheduling)
-        prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size)
+                        num_speculative_tokens=0, async_scheduling=args.async_scheduling,
+                        attention_backend="triton" if args.host_only else "auto")
+        if args.host_only:
+            host_only(engine, args.batch)
+        # --host-only: prompts, like its tokens, from the vocabulary's upper half (whole characters: a prompt
+        # ending inside one leaves the detokenizer its slower path, which text does not)
+        prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size,
+                           engine.vocab_size // 2 if args.host_only else 3)
         measure(engine, prompts[:8], 4, kind)  # warm-up
         load = [loadavg()]
         rounds = []
@@ -230,7 +267,8 @@ def run_host_step(args: argparse.Namespace) -> int:
     payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
                "output_kind": kind.value, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
-               "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "loadavg_1_5_15": load,
+               "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "host_only": args.host_only,
+               "loadavg_1_5_15": load,
                "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}
     if args.out is not None:
         path = write_json(args.out / f"host-step-{time.strftime('%Y%m%d-%H%M%S')}.json", payload)
@@ -259,6 +297,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--profile", action="store_true", help="one more round under Python's profiler (not in the medians)")
+    p.add_argument("--host-only", action="store_true", help="on the CPU, the host's path of a GPU's graph steps: "
+                   "the forward pass replaced by fixed logits, decode steps replayed from graphs by a stand-in")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON result (default: print only)")
 
 

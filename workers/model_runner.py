@@ -37,6 +37,8 @@ class _GraphStep:
 
     pending: PendingSample
     blocks: list[int]
+    specs: list[SampleSpec]
+    plain: bool  # every spec plain greedy (`SampleSpec.plain`)
 
 
 class ModelRunner:
@@ -169,7 +171,7 @@ class ModelRunner:
         `Engine.async_scheduling`)."""
         step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
         logits, _ = self._forward_step(step)
-        return self._launched(out.requests, self._sample(logits, step.samples, defer=True))
+        return self._launched(out.requests, step.samples, self._sample(logits, step.samples, defer=True))
 
     def launch_ahead(self, reqs: list[Request], after: PendingSample, rows: list[int] | None) -> PendingSample:
         """The decode step of `reqs` after the step `after` (still on the device), queued behind it: each
@@ -180,20 +182,21 @@ class ModelRunner:
         last, self._graph_step = self._graph_step, None
         if rows is None and last is not None and last.pending is after:
             logits = self._advance(reqs, after, last.blocks)
-            if logits is not None:
-                pending = self._sample(logits, [r.sample_spec for r in reqs], defer=True)
-                self._graph_step = _GraphStep(pending, last.blocks)
+            if logits is not None:  # the same requests sample with the same specs (fixed once set)
+                pending = self._sample(logits, last.specs, defer=True, plain=last.plain)
+                self._graph_step = _GraphStep(pending, last.blocks, last.specs, last.plain)
                 return pending
         step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
         ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
         logits, _ = self._forward_step(step, ids)
-        return self._launched(reqs, self._sample(logits, step.samples, defer=True))
+        return self._launched(reqs, step.samples, self._sample(logits, step.samples, defer=True))
 
-    def _launched(self, reqs: list[Request], pending: PendingSample) -> PendingSample:
+    def _launched(self, reqs: list[Request], specs: list[SampleSpec], pending: PendingSample) -> PendingSample:
         """Remember a step queued from a graph (`launch_ahead` may advance it), with each row's block ids in
-        the graph's buffers."""
+        the graph's buffers and its sampling specs."""
         if self._replayed:
-            self._graph_step = _GraphStep(pending, [len(r.block_ids) for r in reqs])
+            self._graph_step = _GraphStep(pending, [len(r.block_ids) for r in reqs], specs,
+                                          all(s.plain for s in specs))
         return pending
 
     def _advance(self, reqs: list[Request], after: PendingSample, blocks: list[int]) -> torch.Tensor | None:
@@ -256,19 +259,22 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, specs: list[SampleSpec], plan: PromptLogprobsPlan | None = None,
                 allowed: RowBitmask | None = None, drafts: list[list[int]] | None = None,
-                targets: torch.Tensor | None = None, defer: bool = False):
+                targets: torch.Tensor | None = None, defer: bool = False, plain: bool | None = None):
         """Sample one row per `specs` (the first rows of `logits`; the rest, with `targets`, are the
-        prompt-logprobs `plan`'s; `drafts`, a step's per sampling request, if any). Raises `RequestsFailed` naming the requests whose seeded generator could
-        not be built; if sampling fails, seeded generators are put back as they were, so a retry draws the
-        same noise. Grammar-constrained rows sample from their allowed tokens. `defer`: return the
-        `PendingSample` without waiting for it (a step without drafts or prompt logprobs)."""
+        prompt-logprobs `plan`'s; `drafts`, a step's per sampling request, if any). Raises `RequestsFailed`
+        naming the requests whose seeded generator could not be built; if sampling fails, seeded generators are
+        put back as they were, so a retry draws the same noise. Grammar-constrained rows sample from their
+        allowed tokens. `defer`: return the `PendingSample` without waiting for it (a step without drafts or
+        prompt logprobs). `plain`: whether every spec is plain greedy, if known."""
         extra = None
         if plan is not None:
             extra = plan.pack(logits[len(specs):], targets)
             logits = logits[:len(specs)]
         # a batch of plain greedy rows (`LLM.generate`'s default, the GPU check's batch) skips the passes over
         # each row's params and generator: host time every step, which at batch 256 sets a GPU's step
-        plain = extra is None and allowed is None and all(s.plain for s in specs)
+        if plain is None:
+            plain = all(s.plain for s in specs)
+        plain = plain and extra is None and allowed is None
         gens: list[torch.Generator | None] = []
         failures: dict[str, str] = {}
         for spec in () if plain else specs:

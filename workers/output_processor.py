@@ -162,17 +162,20 @@ class OutputProcessor:
                     seq.detokenizer.update([t])  # the last token can stop one
             if lp is not None:
                 self._record_logprobs(seq, token, lp)
-            if self._update(req, seq, token, n_out):
+            hit = seq.detokenizer.update([token])
+            if (hit is not None or req.status.finished) and self._finish(req, seq, hit, n_out):
                 group.live -= 1
                 if not req.status.finished:
                     stopped.append(req)
         self.generation_tokens += generated
         outputs = []
-        for group in touched.values():
-            if group.last_token_time is not None:
-                self._token_gaps.append(now - group.last_token_time)
+        gaps, final_only = self._token_gaps, OutputKind.FINAL_ONLY
+        for group in touched.values():  # every step at batch 256: kept lean
+            last = group.last_token_time
+            if last is not None:
+                gaps.append(now - last)
             group.last_token_time = now
-            if group.finished:
+            if group.live == 0:  # finished
                 group.metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
                                  "first_token_time": group.first_token_time, "finished_time": now,
                                  "kv_imported": group.kv_imported,
@@ -180,7 +183,8 @@ class OutputProcessor:
                 del self._groups[group.request_id]
                 for s in group.seqs:
                     self._seq_of.pop(s.request.request_id, None)
-            if group.finished or self._due(group):
+                outputs.append(self._make_output(group))
+            elif group.output_kind is not final_only and self._due(group):
                 outputs.append(self._make_output(group))
         return outputs, stopped
 
@@ -205,11 +209,11 @@ class OutputProcessor:
                 return True
         return False
 
-    def _update(self, req: Request, seq: _Sequence, token: int, n_out: int) -> bool:
-        """Detokenize the new token (the request's `n_out`-th) and set the finish reason; True if the
-        sequence finished. A token-level stop (the scheduler's) comes first, then a stop string, then length."""
+    def _finish(self, req: Request, seq: _Sequence, hit: str | None, n_out: int) -> bool:
+        """Set the finish reason of a sequence that the scheduler finished or whose new token (its `n_out`-th)
+        completed stop string `hit`; True if the sequence finished. A token-level stop (the scheduler's) comes
+        first, then a stop string, then length."""
         p = req.sampling_params
-        hit = seq.detokenizer.update([token])
         if req.status is RequestStatus.FINISHED_STOPPED:
             seq.finish_reason = "stop"
         elif hit is not None and (n_out > p.min_tokens or n_out == req.max_tokens):

@@ -57,6 +57,11 @@ class Request:
     spec_skipped: int = 0  # steps since it last drafted for want of a good record
     # how it samples, once that no longer changes from step to step (`workers/step_inputs.py`)
     sample_spec: object | None = None
+    # what may stop it, set by `Scheduler.add_request` so that a step checks only the tokens that may: the token
+    # ids that stop it (EOS unless ignored, `stop_token_ids`; after `min_tokens`), and its length (tokens in all)
+    # at which `max_tokens` or `max_model_len` do. 0: every token is checked
+    stop_ids: frozenset[int] = frozenset()
+    stop_at: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

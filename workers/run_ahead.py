@@ -26,6 +26,9 @@ class InFlight:
 
     sched: SchedulerOutput
     pending: PendingSample
+    # queued ahead of a step whose requests all sample with fixed specs and keep no KV (`may_run_ahead`'s
+    # per-request half): true of its own, a subset of those, whose specs and `hold_kv` never change
+    checked: bool = False
 
 
 class RunAhead:
@@ -45,19 +48,20 @@ class RunAhead:
             logger.debug("step not queued ahead; running it in turn", exc_info=True)
             return None
 
-    def may_run_ahead(self, sched: SchedulerOutput) -> bool:
+    def may_run_ahead(self, sched: SchedulerOutput, checked: bool = False) -> bool:
         """Whether the step after `sched` may be sampled before `sched`'s tokens are known: no grammar is
         active, and each request samples with a spec that no longer changes (none bans tokens for now or reads
-        its token history: `Request.sample_spec`), and none keeps its KV for a transfer. (Whether it may be
-        scheduled is `Scheduler.schedule_ahead`'s.)"""
-        return not self.structured.active and all(r.sample_spec is not None and not r.hold_kv
-                                                  for r in sched.requests)
+        its token history: `Request.sample_spec`), and none keeps its KV for a transfer (known when `checked`).
+        (Whether it may be scheduled is `Scheduler.schedule_ahead`'s.)"""
+        return not self.structured.active and (checked or all(r.sample_spec is not None and not r.hold_kv
+                                                              for r in sched.requests))
 
     def run_ahead(self, current: InFlight) -> InFlight | None:
         """The decode step after `current`, queued behind it on the device before its tokens are known
         (`Scheduler.schedule_ahead` picks its requests and their slots). None if it may not run ahead (see
         `Engine.step`)."""
-        ahead = self.scheduler.schedule_ahead(current.sched) if self.may_run_ahead(current.sched) else None
+        ahead = (self.scheduler.schedule_ahead(current.sched) if self.may_run_ahead(current.sched, current.checked)
+                 else None)
         if ahead is None:
             return None
         sched, rows = ahead
@@ -67,4 +71,4 @@ class RunAhead:
         except Exception:
             logger.debug("step not queued ahead; running it in turn", exc_info=True)
             return None
-        return InFlight(sched, pending)
+        return InFlight(sched, pending, checked=True)

@@ -113,6 +113,11 @@ class Scheduler:
         if imported:
             request.num_computed_tokens = num_imported_tokens
             self.kv_cache.cache_computed_blocks(request)
+        for req in [request, *(siblings or ())]:
+            p = req.sampling_params
+            req.stop_ids = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos or req.eos_token_id is None else {req.eos_token_id})
+            req.stop_at = min(len(req.prompt_token_ids) + req.max_tokens, self.config.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if siblings:
@@ -302,14 +307,17 @@ class Scheduler:
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             if n > 1 or computed % bs == 0:  # else no block filled: nothing to publish
                 self.kv_cache.cache_computed_blocks(req)
-            if computed == len(req.all_token_ids):
+            ids = req.all_token_ids
+            if computed == len(ids):
                 if forks and req.request_id in forks:
                     self._release_siblings(req, share=True)
-                req.append_token(next(tokens))
+                token = next(tokens)
+                ids.append(token)
                 add(req)
-                status = check_stop(req)
-                if status is not None:
-                    self.finish_requests([req], status)
+                if token in req.stop_ids or len(ids) >= req.stop_at:  # else nothing stops it (`Request.stop_at`)
+                    status = check_stop(req)
+                    if status is not None:
+                        self.finish_requests([req], status)
         return sampled
 
     def _apply_drafts(self, req: Request, accepted: int, token: int) -> None:

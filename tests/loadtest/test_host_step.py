@@ -76,3 +76,21 @@ def test_the_module_runs_on_its_own(tmp_path, default_model_dir, capsys):
                            "--tokenizer", default_model_dir, "--threads", "1", "--out", str(tmp_path)]) == 0
     assert "median ms per decode step at batch 4" in capsys.readouterr().out
     assert len(list(tmp_path.glob("host-step-*.json"))) == 1
+
+
+def test_host_only_runs_the_graph_path_without_the_model(tmp_path, default_model_dir, capsys, monkeypatch):
+    """`--host-only`: the forward pass replaced by fixed logits and decode graphs replayed by the stand-in, so
+    that steps queued ahead advance the graph's buffers as on a GPU; the run's JSON says so."""
+    import json
+
+    from workers.cuda_graphs import DecodeGraphs
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    advance, advanced = DecodeGraphs.advance, []
+    monkeypatch.setattr(DecodeGraphs, "advance", lambda self, *a: advanced.append(a[0]) or advance(self, *a))
+    assert host_step.main(["--batch", "4", "--prompt-len", "8", "--steps", "3", "--rounds", "1", "--vocab-size", "512",
+                           "--tokenizer", default_model_dir, "--threads", "1", "--async-scheduling", "--host-only",
+                           "--output-kind", "final", "--out", str(tmp_path)]) == 0
+    assert "median ms per decode step at batch 4" in capsys.readouterr().out
+    report = json.loads(next(tmp_path.glob("host-step-*.json")).read_text())
+    assert report["host_only"] and report["async_scheduling"] and advanced and set(advanced) == {4}

@@ -333,6 +333,36 @@ def test_token_level_stops_finish_and_free_inside_the_scheduler():
     assert sched.kv_cache.pool.num_free_blocks == free and not sched.has_unfinished_requests()
 
 
+def test_a_step_checks_for_stops_only_the_tokens_that_may_stop_their_request():
+    """`Request.stop_ids` and `stop_at` (set by `add_request`): a token that is no stop id, at a length short of
+    `max_tokens` and `max_model_len`, skips `check_stop`; the others go through it (and a request the
+    scheduler was not given to add, with the defaults, has every token checked)."""
+    sched = _sched()
+    checked = []
+    check = sched.check_stop
+    sched.check_stop = lambda req: checked.append(req.num_output_tokens) or check(req)
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=5, stop_token_ids=[7]), 5, eos_token_id=9)
+    sched.add_request(req)
+    assert req.stop_ids == {7, 9} and req.stop_at == 8
+    _run_prompt(sched, req, 4)
+    for token in (5, 6, 8):
+        sched.update_from_output(sched.schedule(), [token])
+    assert checked == [] and req.status is RequestStatus.RUNNING
+    sched.update_from_output(sched.schedule(), [3])
+    assert checked == [5] and req.status is RequestStatus.FINISHED_LENGTH
+    ignoring = Request("i", [1, 2], SamplingParams(max_tokens=9, ignore_eos=True), 9, eos_token_id=9)
+    sched.add_request(ignoring)
+    assert ignoring.stop_ids == frozenset()
+    stopping = Request("s", [1, 2], SamplingParams(max_tokens=9), 9, eos_token_id=9)
+    sched.add_request(stopping)
+    out = sched.schedule()
+    sched.update_from_output(out, [9] * len(out.requests))  # EOS for both: one ignores it
+    assert checked == [5, 1] and stopping.status is RequestStatus.FINISHED_STOPPED  # only its EOS was checked
+    assert ignoring.status is RequestStatus.RUNNING
+    unadded = Request("u", [1], SamplingParams(max_tokens=9), 9)
+    assert unadded.stop_at == 0  # every token checked
+
+
 def test_min_tokens_defers_token_stops():
     sched = _sched()
     req = Request("m", [1, 2], SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=[7]), 5, eos_token_id=9)
