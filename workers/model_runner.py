@@ -4,7 +4,8 @@ own metadata) go through the model, and the requests that finished their chunk s
 parallelism every rank runs one of these over its shard of the model and of the KV cache.
 
 Device-agnostic: inputs are built on the host and reach the device in one copy (from a pinned buffer on
-CUDA), and the sampled ids and logprobs come back in one copy. Decode-only steps replay CUDA graphs when
+CUDA), except a decode step queued ahead over the graph step before's rows, advanced on the device
+(`DecodeGraphs.advance`), and the sampled ids and logprobs come back in one copy. Decode-only steps replay CUDA graphs when
 they are enabled (`enable_decode_graphs`)."""
 
 from __future__ import annotations
