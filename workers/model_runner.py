@@ -221,7 +221,6 @@ class ModelRunner:
                 blocks[i] = len(ids)
         if len(new) > 2 * graphs.max_new_blocks:
             return None
-        self._replayed = True
         return graphs.advance(len(reqs), new, after.tokens, self.block_size)
 
     def run(self, step: StepInputs) -> SampleOutput:
