@@ -208,8 +208,11 @@ class LaunchConfig:
 
 # Read at every launch (the GPU check's `attention_sweep` times others and may set the fastest for its run):
 # steps whose every sequence has one query token (decode steps, the captured graphs), and the others. Float32
-# (parity checks and tests; tiles twice as large, from full-precision dots) keeps the default.
-DECODE_CONFIG = LaunchConfig()
+# (parity checks and tests; tiles twice as large, from full-precision dots) keeps the class's defaults. Decode
+# steps launch with programmatic dependent launch and split few sequences' keys between programs: on an H100
+# (docs/benchmarks.md, 2026-12-05) a batch-256 step's launch took 20.9 us with it against 22.1 without, and one
+# sequence's 5.1 us with 16 splits against 9.6 unsplit; at batch 256 the automatic splits leave it as it is.
+DECODE_CONFIG = LaunchConfig(num_splits=0, pdl=True)
 CHUNK_CONFIG = LaunchConfig()
 
 
@@ -222,11 +225,15 @@ def launch_config(dtype: torch.dtype, one_query: bool) -> LaunchConfig:
 
 # `num_splits=0`: programs per SM a decode step aims for, and the most splits of one sequence
 SPLIT_TARGET_WAVES, MAX_SPLITS = 2, 16
+META_SM_COUNT = 132
 _SM_COUNT: dict[torch.device, int] = {}
 
 
 def sm_count(device: torch.device) -> int:
-    """The GPU's multiprocessors (8 for a CPU under the interpreter, so tests split as a small GPU would)."""
+    """The GPU's multiprocessors (8 for a CPU under the interpreter, so tests split as a small GPU would; 132, an
+    H100's or H200's, on the meta device, where `workers.kernel_variants` records the launches a GPU makes)."""
+    if device.type == "meta":
+        return META_SM_COUNT
     if device.type != "cuda":
         return 8
     if device not in _SM_COUNT:

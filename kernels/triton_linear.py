@@ -223,8 +223,10 @@ class LinearConfig:
 
 
 # Read at every call (the GPU check's `linear_sweep` times others and may set the fastest, or None, for its
-# run). None: the layers run the norm kernel and cuBLAS's matmul apart, as before.
-NORM_LINEAR_CONFIG: LinearConfig | None = LinearConfig()
+# run). None (the default): the layers run the norm kernel and cuBLAS's matmul apart. On an H100
+# (docs/benchmarks.md, 2026-12-05) a batch-256 step's layers but attention took 808 us that way, 901 with the
+# fastest fused config and 943 with `LinearConfig()`; at one row 709 against 733.
+NORM_LINEAR_CONFIG: LinearConfig | None = None
 
 
 def resolve_config(config: LinearConfig | None) -> LinearConfig:

@@ -7,10 +7,13 @@ layers of it on the meta device (no memory, no kernel runs), steps through the T
 layer ops as the model runner makes them: decode steps of 1 to 256 sequences (the CUDA graphs' sizes, with
 block tables as wide as theirs), prefill chunks beside decodes, a prompt at the fused kernels' row limit and
 one past it, in bfloat16, float16 and float32; then a decode step each with its keys split between programs,
-with the fused kernels' plain matmuls, with the norms and matmuls apart (`NORM_LINEAR_CONFIG=None`), and with
-programmatic dependent launch (`pdl`). The
-JIT specializes each launch on its values (an integer's divisibility by 16, a 1), so the step shapes are
-chosen to reach every class: 1, 3, 16, 40, 256 rows."""
+with the fused norm-and-matmul kernels' plain matmuls, and with programmatic dependent launch (`pdl`) and
+without. The steps run with the default layer ops (`NORM_LINEAR_CONFIG`: the norms and matmuls apart) and again
+with the fused norm-and-matmul kernels, which a GPU check's sweep applies where they win. The JIT specializes each
+launch on its values (an integer's divisibility by 16, a 1), so the step shapes are chosen to reach every class:
+1, 3, 16, 40, 256 rows; and the automatic splits of a decode step are counted for an H100's or H200's 132 SMs
+(`triton_attention.META_SM_COUNT`): at SmolLM2-135M's 3 KV heads 16 at 1 and 3 sequences, 5 at 16, 2 at 40,
+none at 256."""
 
 from __future__ import annotations
 
@@ -94,24 +97,34 @@ def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[torch
     programmatic dependent launch only with `pdl` (a GPU from sm_90: `triton_linear.pdl_launch`)."""
     attn = TritonPagedAttention("meta")
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
-    others = [(dataclasses.replace(decode, num_splits=4), linear), (decode, None)]
+    if not pdl:  # what a GPU without it launches (`triton_linear.pdl_launch`)
+        decode = dataclasses.replace(decode, pdl=False)
+        linear = linear and dataclasses.replace(linear, pdl=False)
+    fused = linear or triton_linear.LinearConfig(pdl=decode.pdl)
+    # every step with the default's layer ops, and with the fused kernels where the default has the norms and
+    # matmuls apart (a GPU check's sweep applies them where they win); the other way at one step
+    mains = [(decode, linear)] + ([(decode, fused)] if linear is None else [])
+    others = [(dataclasses.replace(decode, num_splits=4), linear),
+              (decode, dataclasses.replace(fused, plain_matmuls=True))]
     if linear is not None:
-        others.append((decode, dataclasses.replace(linear, plain_matmuls=True)))
-    if linear is not None and pdl:
-        # with programmatic dependent launch (the GPU check's sweeps time it): every fused kernel, split or not
-        others += [(dataclasses.replace(decode, pdl=True), dataclasses.replace(linear, pdl=True)),
+        others.append((decode, None))
+    if pdl:
+        # with programmatic dependent launch and without (the GPU check's sweeps time both): every fused kernel,
+        # split or not
+        others += [(dataclasses.replace(decode, pdl=not decode.pdl), dataclasses.replace(fused, pdl=not fused.pdl)),
                    (dataclasses.replace(decode, num_splits=4, pdl=True),
-                    dataclasses.replace(linear, plain_matmuls=True, pdl=True))]
+                    dataclasses.replace(fused, plain_matmuls=True, pdl=True))]
     with record() as seen:
         for shape in shapes:
             for dtype in dtypes:
                 model = _model(shape, dtype)
                 caches = _meta_caches(model, dtype)
-                with _configs(decode, linear):
-                    for n, width in DECODE_STEPS:
-                        _step(model, attn, caches, [1] * n, width)
-                    for chunks in CHUNK_STEPS:
-                        _step(model, attn, caches, list(chunks), 64)
+                for config in mains:
+                    with _configs(*config):
+                        for n, width in DECODE_STEPS:
+                            _step(model, attn, caches, [1] * n, width)
+                        for chunks in CHUNK_STEPS:
+                            _step(model, attn, caches, list(chunks), 64)
                 for config in others:
                     with _configs(*config):
                         _step(model, attn, caches, [1] * 3, 7)

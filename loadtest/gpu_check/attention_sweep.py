@@ -11,9 +11,9 @@ scattered over the cache) as a decode step runs it: one launch per layer, each o
 and the K/V bytes read per second against the copy bandwidth. The fastest, if it beats the default by
 `APPLY_GAIN`, is set as `DECODE_CONFIG` for the sections after it, so that the throughput section measures
 the engine with it (the JSON says which config each measured). Then one sequence's step (a single stream) is
-timed with that config and with automatic splits (`num_splits=0`, which leave a full batch as it is), and the
-splits are kept if they are that much faster. Last, that config with programmatic dependent launch and
-without (`_pdl`)."""
+timed with that config unsplit and with automatic splits (`num_splits=0`, the default's, which leave a full
+batch as it is), and the faster way kept if it is that much faster. Last, that config with programmatic
+dependent launch (the default's) and without (`_pdl`)."""
 
 from __future__ import annotations
 
@@ -76,13 +76,19 @@ def _inputs(plan: Plan, device: torch.device, seed: int = 0, batch: int | None =
 
 
 def sweep_configs(dry_run: bool) -> list:
-    """The launch configs the sweep times (besides the default): the grid, then the extras."""
-    from kernels.triton_attention import LaunchConfig
+    """The launch configs the sweep times (besides the default): the grid, then the extras; each the default
+    (`DECODE_CONFIG`) with its tile, warps and stages (and splits, where given) replaced, so that they launch as
+    it does otherwise (programmatic dependent launch, automatic splits)."""
+    from kernels.triton_attention import DECODE_CONFIG
+
+    def config(values: tuple, **more) -> object:
+        return dataclasses.replace(DECODE_CONFIG, **dict(zip(("block_n", "num_warps", "num_stages", "num_splits"),
+                                                             values)), **more)
 
     grid = GRID_DRY if dry_run else GRID
-    return ([LaunchConfig(*values) for values in itertools.product(*grid.values())]
-            + [LaunchConfig(*values) for values in (EXTRA_DRY if dry_run else EXTRA)]
-            + [LaunchConfig(*values, prefetch=False) for values in (CHAIN_DRY if dry_run else CHAIN)])
+    return ([config(values) for values in itertools.product(*grid.values())]
+            + [config(values) for values in (EXTRA_DRY if dry_run else EXTRA)]
+            + [config(values, prefetch=False) for values in (CHAIN_DRY if dry_run else CHAIN)])
 
 
 def sweep(plan: Plan, repeats: int = 50) -> dict:
@@ -147,48 +153,54 @@ def _pdl(plan: Plan, device: torch.device, launch, x: dict, repeats: int) -> dic
     (`LaunchConfig.pdl`: each launch's programs start while the one before ends, then wait for it) and without,
     a step's worth in one graph, launched back to back as a step's layers launch it. The output must be the same
     to the bit (the kernel computes the same; a difference would be a launch reading what the one before had
-    not written yet); kept for the sections after if `PDL_GAIN` faster. Where the device has no such launch
-    (before sm_90, the interpreter) both run alike."""
+    not written yet). The other way than the config's (on by default) is kept for the sections after if
+    `PDL_GAIN` faster (`applied`; `pdl` says which way they run). Where the device has no such launch (before
+    sm_90, the interpreter) both run alike."""
     from kernels import triton_attention as ta
 
     config = ta.DECODE_CONFIG
-    on = dataclasses.replace(config, pdl=True)
-    result: dict = {"config": dataclasses.asdict(config), "applied": False, "ok": True}
+    off, on = dataclasses.replace(config, pdl=False), dataclasses.replace(config, pdl=True)
+    result: dict = {"config": dataclasses.asdict(config), "applied": False, "pdl": config.pdl, "ok": True}
     try:
-        off_s, off = _per_launch(plan, device, launch, config, x, repeats)
+        off_s, reference = _per_launch(plan, device, launch, off, x, repeats)
         on_s, outs = _per_launch(plan, device, launch, on, x, repeats)
-        diff = max_abs_diff(outs, off)
+        diff = max_abs_diff(outs, reference)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
-    if result["ok"] and on_s * PDL_GAIN <= off_s and not plan.dry_run:
-        ta.DECODE_CONFIG = on
-        result["applied"] = True
+    faster = on if on_s * PDL_GAIN <= off_s else off if off_s * PDL_GAIN <= on_s else config
+    if result["ok"] and faster != config and not plan.dry_run:
+        ta.DECODE_CONFIG = faster
+        result |= {"applied": True, "pdl": faster.pdl}
     return result
 
 
 def _one_sequence(plan: Plan, device: torch.device, launch, config, repeats: int) -> dict:
-    """One sequence's decode step (a single stream: 3 programs for the GPU's SMs) under `config` and under
-    it with automatic splits (`num_splits=0`), which leave a full batch as it is. If those are `APPLY_GAIN`
-    faster and give the same output, they are set for the sections after (the throughput section's single
-    stream); a config that already splits is left as it is."""
+    """One sequence's decode step (a single stream: 3 programs for the GPU's SMs) under `config` unsplit
+    (`num_splits=1`) and with automatic splits (`num_splits=0`, the default's; they leave a full batch as it
+    is). If the other way than the config's is `APPLY_GAIN` faster and gives the same output, it is set for the
+    sections after (the throughput section's single stream); a config with a fixed count of splits is left as
+    it is."""
     from kernels import triton_attention as ta
 
     x = _inputs(plan, device, seed=1, batch=1)
-    auto = dataclasses.replace(config, num_splits=0)
+    plain_config, auto = dataclasses.replace(config, num_splits=1), dataclasses.replace(config, num_splits=0)
     result: dict = {"context_tokens": x["context_tokens"], "config": dataclasses.asdict(config), "applied": False,
                     "ok": True}
-    if config.num_splits != 1:
-        return result | {"skipped": "the config splits already"}
+    if config.num_splits > 1:
+        return result | {"skipped": "the config splits every step"}
     try:
-        plain_s, plain = _per_launch(plan, device, launch, config, x, repeats)
+        plain_s, plain = _per_launch(plan, device, launch, plain_config, x, repeats)
         auto_s, outs = _per_launch(plan, device, launch, auto, x, repeats)
         diff = max_abs_diff(outs, plain)
     except Exception as e:
         return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
     result |= {"splits": ta.decode_splits(auto, 1, x["k_cache"].shape[-2], device), "us": plain_s * 1e6,
-               "auto_splits_us": auto_s * 1e6, "max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"]}
-    if result["ok"] and auto_s * APPLY_GAIN <= plain_s and not plan.dry_run:
-        ta.DECODE_CONFIG = auto
-        result["applied"] = True
+               "auto_splits_us": auto_s * 1e6, "max_abs_diff": diff, "ok": diff <= TOLERANCE["bfloat16"],
+               "auto_splits": config.num_splits == 0}
+    faster = (auto if auto_s * APPLY_GAIN <= plain_s else plain_config if plain_s * APPLY_GAIN <= auto_s
+              else config)
+    if result["ok"] and faster != config and not plan.dry_run:
+        ta.DECODE_CONFIG = faster
+        result |= {"applied": True, "auto_splits": faster.num_splits == 0}
     return result

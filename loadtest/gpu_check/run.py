@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--separate-kernels", action="store_true",
                    help="every section with each layer's norms, matmuls, rotary and SiLU in separate kernels (the "
                    "fused norm-and-matmul off, linear_sweep skipped): a rerun's fallback if the fused kernels fail "
-                   "on a GPU; default: fused")
+                   "on a GPU; default: apart too, unless linear_sweep finds a fused config faster")
     args = p.parse_args(argv)
     if args.prepare is None and args.out is None:
         p.error("--out DIR is required (or --prepare DIR)")
@@ -286,8 +286,9 @@ def summary(report: dict) -> str:
         lines.append(f"  decode attention config applied for the sections after: {sw['applied']}")
     one = sw.get("one_sequence", {})
     if one.get("auto_splits_us"):
+        applied = f" (applied: {'split' if one['auto_splits'] else 'unsplit'})" if one["applied"] else ""
         lines.append(f"  one sequence: {one['us']:.1f} us, split {one['splits']} ways {one['auto_splits_us']:.1f} us"
-                     f"{' (applied)' if one['applied'] else ''}")
+                     f"{applied}")
     for name in ("attention_sweep", "linear_sweep"):
         pdl = report["checks"].get(name, {}).get("pdl", {})
         for row in pdl.get("configs", [pdl]):
@@ -299,7 +300,7 @@ def summary(report: dict) -> str:
                 lines.append(f"{what} with programmatic dependent launch: {row['error'][:100]}")
         if pdl.get("applied"):
             lines.append(f"  {name.split('_')[0]}: applied for the sections after, after that A/B: "
-                         f"{pdl.get('choice') or {**pdl['config'], 'pdl': True}}")
+                         f"{pdl.get('choice') or {**pdl['config'], 'pdl': pdl.get('pdl', True)}}")
     ls = report["checks"].get("linear_sweep", {})
     for rows, data in ls.get("rows", {}).items():
         fastest = sorted((r for r in data["configs"] if r.get("us")), key=lambda r: r["us"])[:3]

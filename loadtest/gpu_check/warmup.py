@@ -6,8 +6,9 @@ A variant compiled from the recording (`workers/kernel_variants.py`) goes into t
 the same call computes (tested in tests/workers/test_kernel_variants.py), so the sections' launches find them;
 `triton_compiles` in each section's report then says how many they still compiled. Covered: the engine's steps
 at SmolLM2-135M's shape in float32 and bfloat16 with the default configs, and the batch-256 and one-row decode
-steps under every config the two sweeps time, and the default configs with programmatic dependent launch (the
-winners' are compiled when the sweeps launch them). Not covered: the kernel-parity cases' other shapes and block sizes.
+steps under every config the two sweeps time, the default configs the other way with programmatic dependent
+launch, and the single stream unsplit (the winners' are compiled when the sweeps launch them). Not covered: the
+kernel-parity cases' other shapes and block sizes.
 The compiles run in a process of their own with a time limit (`python -m loadtest.gpu_check.warmup`): a hung
 compile costs the check that limit, not the lease."""
 
@@ -42,10 +43,16 @@ def compile_for_the_check(arch: int, jobs: int | None, sweeps: bool) -> dict:
     from workers.kernel_variants import config_variants, engine_variants
 
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
+    fused = linear or triton_linear.LinearConfig()
     configs = ([(a, linear) for a in attention_sweep.sweep_configs(False)]
                + [(decode, c) for c in linear_sweep.sweep_configs(False)]) if sweeps else []
-    if sweeps and linear is not None and arch >= 90:  # the defaults with programmatic dependent launch (its A/B)
-        configs.append((dataclasses.replace(decode, pdl=True), dataclasses.replace(linear, pdl=True)))
+    if sweeps:
+        # the single stream unsplit (its A/B against the automatic splits), and the defaults the other way with
+        # programmatic dependent launch (its A/B)
+        configs += [(dataclasses.replace(decode, num_splits=1), linear),
+                    (dataclasses.replace(decode, pdl=not decode.pdl), dataclasses.replace(fused, pdl=not fused.pdl))]
+    if arch < 90:  # launched without it there (`triton_linear.pdl_launch`)
+        configs = [(dataclasses.replace(a, pdl=False), c and dataclasses.replace(c, pdl=False)) for a, c in configs]
     variants = engine_variants(("smollm2-135m",), (torch.float32, torch.bfloat16), pdl=arch >= 90)
     # the engine's graphs (block tables 64 wide at the check's 1,024 tokens) and the sweep's own inputs (as wide
     # as a sequence's blocks)

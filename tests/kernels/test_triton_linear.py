@@ -28,6 +28,13 @@ GATED_TOLERANCE = {torch.float32: dict(atol=4e-5, rtol=1e-5), torch.bfloat16: di
 torch_ops, triton_ops = TorchLayerOps(), TritonLayerOps()
 
 
+@pytest.fixture(autouse=True)
+def fused_by_default(monkeypatch):
+    """The layer ops run the fused kernels (`NORM_LINEAR_CONFIG`: off by default, as the GPU check's linear
+    sweep applies them where they win) unless a test says otherwise."""
+    monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", LinearConfig())
+
+
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)

@@ -61,6 +61,10 @@ def test_random_weights_cover_the_loader(tmp_path):
 
 
 def test_dry_run_completes_and_every_check_passes(tmp_path):
+    import dataclasses
+
+    from kernels.triton_linear import LinearConfig
+
     proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -89,17 +93,18 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     pdl = sweep["pdl"]
     assert pdl["ok"] and pdl["max_abs_diff"] == 0 and pdl["us"] > 0 and pdl["pdl_us"] > 0 and not pdl["applied"]
     linear = checks["linear_sweep"]
-    assert set(linear["rows"]) == {"1", "2"} and linear["default"] is not None
+    assert set(linear["rows"]) == {"1", "2"} and linear["default"] is None  # the separate kernels by default
     for rows, data in linear["rows"].items():
         assert data["separate_us"] > 0 and len(data["configs"]) >= (3 if rows == "2" else 1)
         assert all(r["ok"] and r["us"] > 0 and r["max_rel_diff"] < 0.03 for r in data["configs"])
     assert any(r["config"]["plain_matmuls"] for r in linear["rows"]["2"]["configs"])
     assert not linear["applied_to_later_sections"]
-    # the applied config (the default here) and the fastest plain one, each with and without
+    # the applied config (none here: the fused kernels' default config) and the fastest plain one, each with
+    # and without
     pdl = linear["pdl"]
     assert [r["config"]["plain_matmuls"] for r in pdl["configs"]] == [False, True] and not pdl["applied"]
     assert all(r["ok"] and r["max_abs_diff"] == 0 and r["pdl_us"] > 0 for r in pdl["configs"])
-    assert pdl["choice"] == linear["default"]
+    assert pdl["choice"] == dataclasses.asdict(LinearConfig()) and linear["applied"] == "separate kernels"
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
                                                         "graphs_outputs_in_step")] == [True, True, False, False]
@@ -289,6 +294,59 @@ def test_the_linear_sweeps_pdl_ab_applies_the_fastest_only_past_its_gain(monkeyp
     assert not got["applied"] and got["choice"] == dataclasses.asdict(first)
     got = ab([100e-6, 50e-6, 120e-6, 110e-6], [torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2)])
     assert not got["ok"] and not got["applied"] and got["configs"][0]["max_abs_diff"] == 1.0
+
+
+def test_the_attention_sweeps_ab_keeps_the_default_unless_the_other_way_wins_by_its_gain(monkeypatch):
+    """`attention_sweep._pdl` and `_one_sequence` on a GPU (times given here): the decode default (programmatic
+    dependent launch, automatic splits) stays unless the other way is faster by the gain; then that way is set
+    for the sections after, in either direction; outputs that differ change nothing."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels import triton_attention as ta
+    from loadtest.gpu_check import attention_sweep
+
+    assert ta.DECODE_CONFIG.pdl and ta.DECODE_CONFIG.num_splits == 0
+    default = ta.DECODE_CONFIG
+    plan = SimpleNamespace(batch=4, dry_run=False)
+    monkeypatch.setattr(attention_sweep, "_inputs",
+                        lambda *a, **k: {"context_tokens": 1, "k_cache": torch.zeros(1, 1, 3)})
+    seen: list = []
+
+    def ab(fn, times, outputs=None, config=default):
+        monkeypatch.setattr(ta, "DECODE_CONFIG", config)
+        seconds, outs = iter(times), iter(outputs or [[torch.zeros(2)]] * len(times))
+
+        def per_launch(plan, device, launch, config, x, repeats):
+            seen.append(config)
+            return next(seconds), next(outs)
+
+        monkeypatch.setattr(attention_sweep, "_per_launch", per_launch)
+        seen.clear()
+        if fn == "pdl":
+            return attention_sweep._pdl(plan, torch.device("cpu"), None, {}, 1)
+        return attention_sweep._one_sequence(plan, torch.device("cpu"), None, config, 1)
+
+    # programmatic dependent launch: without, then with
+    got = ab("pdl", [100e-6, 99e-6])  # within the gain: as it was
+    assert [c.pdl for c in seen] == [False, True] and not got["applied"] and ta.DECODE_CONFIG == default
+    got = ab("pdl", [100e-6, 110e-6])
+    assert got["applied"] and not got["pdl"] and ta.DECODE_CONFIG == dataclasses.replace(default, pdl=False)
+    got = ab("pdl", [110e-6, 100e-6], config=dataclasses.replace(default, pdl=False))
+    assert got["applied"] and got["pdl"] and ta.DECODE_CONFIG == default
+    got = ab("pdl", [100e-6, 200e-6], [[torch.zeros(2)], [torch.ones(2)]])  # outputs differ
+    assert not got["ok"] and not got["applied"] and ta.DECODE_CONFIG == default
+    # one sequence: unsplit, then with automatic splits
+    got = ab("one", [10e-6, 5e-6])
+    assert [c.num_splits for c in seen] == [1, 0] and not got["applied"] and got["auto_splits"]
+    got = ab("one", [5e-6, 10e-6])
+    assert got["applied"] and not got["auto_splits"] and ta.DECODE_CONFIG.num_splits == 1
+    got = ab("one", [10e-6, 5e-6], config=dataclasses.replace(default, num_splits=1))
+    assert got["applied"] and got["auto_splits"] and ta.DECODE_CONFIG == default
+    got = ab("one", [], config=dataclasses.replace(default, num_splits=2))
+    assert not seen and "skipped" in got and ta.DECODE_CONFIG.num_splits == 2
 
 
 def test_the_attention_sweep_times_a_steps_launches_each_over_its_own_layer(monkeypatch):
