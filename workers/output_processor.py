@@ -169,7 +169,8 @@ class OutputProcessor:
                     stopped.append(req)
         self.generation_tokens += generated
         outputs = []
-        gaps, final_only = self._token_gaps, OutputKind.FINAL_ONLY
+        gaps, interval = self._token_gaps, self.stream_interval
+        final_only, delta = OutputKind.FINAL_ONLY, OutputKind.DELTA
         for group in touched.values():  # every step at batch 256: kept lean
             last = group.last_token_time
             if last is not None:
@@ -184,6 +185,11 @@ class OutputProcessor:
                 for s in group.seqs:
                     self._seq_of.pop(s.request.request_id, None)
                 outputs.append(self._make_output(group))
+            elif group.output_kind is delta and len(group.seqs) == 1:  # a stream's: `_due` and `_make_output`'s
+                seq = group.seqs[0]
+                unsent = seq.seen_tokens - seq.sent_tokens
+                if unsent >= interval or (unsent and not seq.sent_tokens):
+                    outputs.append(self._make_delta(group, seq))
             elif group.output_kind is not final_only and self._due(group):
                 outputs.append(self._make_output(group))
         return outputs, stopped
@@ -245,6 +251,22 @@ class OutputProcessor:
         ids = group.prompt_token_ids
         for pos in range(max(have, chunk.start), chunk.start + len(chunk.entries)):
             group.prompt_logprobs.append(self._logprob_entry(ids[pos + 1], chunk.entries[pos - chunk.start]))
+
+    def _make_delta(self, group: _Group, seq: _Sequence) -> RequestOutput:
+        """`_make_output` for an unfinished delta request of one sequence (a stream's every step)."""
+        req = seq.request
+        text, sent = seq.detokenizer.output_text, seq.sent_tokens
+        ids = req.all_token_ids
+        tokens = ids[len(group.prompt_token_ids) + sent:]
+        lps = seq.logprobs
+        out = CompletionOutput(req.index, text[seq.sent_text:], tokens, seq.cumulative_logprob,
+                               None if lps is None else lps[sent:], None, req.stop_reason)
+        seq.sent_tokens, seq.sent_text = sent + len(tokens), len(text)
+        prompt_lps = group.prompt_logprobs
+        if prompt_lps is not None:
+            prompt_lps, group.sent_prompt_logprobs = None if group.sent_prompt_logprobs else prompt_lps, True
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, [out], False,
+                             max(req.num_cached_tokens, 0), group.metrics, prompt_lps)
 
     def _make_output(self, group: _Group) -> RequestOutput:
         delta = group.output_kind is OutputKind.DELTA

@@ -91,25 +91,26 @@ def test_the_rust_decode_is_used_only_where_it_gives_the_same_text(tokenizer):
 
 
 def _window_only(detok: IncrementalDetokenizer) -> IncrementalDetokenizer:
-    detok._stream = None
+    detok._stream = detok._bytes = None
+    detok._settled = False
     return detok
 
 
-def _same_text_both_ways(tok, cases, **kw) -> int:
-    """Feeds each (prompt, output) case token by token to a detokenizer that uses the Rust decode stream and
-    to one held to the window in Python; asserts the same text and stop after every token. Returns how many
-    cases ran on the stream."""
-    streamed = 0
+def _same_text_both_ways(tok, cases, path: str = "stream", **kw) -> int:
+    """Feeds each (prompt, output) case token by token to a detokenizer that takes a faster path than the
+    window (`path`: "stream", the Rust decode stream; "bytes", each id's bytes) and to one held to the window
+    in Python; asserts the same text and stop after every token. Returns how many cases ran on that path."""
+    fast = 0
     for prompt, out in cases:
         a = IncrementalDetokenizer(tok, prompt, **kw)
         b = _window_only(IncrementalDetokenizer(tok, prompt, **kw))
-        streamed += a._stream is not None
+        fast += (a._stream if path == "stream" else a._bytes) is not None
         for t in out:
             hit = a.update([t])
             assert hit == b.update([t]) and a.output_text == b.output_text, (prompt, out)
             if hit:
                 break
-    return streamed
+    return fast
 
 
 def _random_cases(tokenizer, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -131,14 +132,76 @@ def _random_cases(tokenizer, seed: int) -> list[tuple[list[int], list[int]]]:
             for i in range(300)]
 
 
-def test_the_decode_stream_gives_the_windows_text(tokenizer):
-    """The Rust `DecodeStream` takes over the window for the default tokenizer: the same text after every
-    token on random ids, a third of them byte tokens that split characters (also mid-prompt and left
-    incomplete), special tokens kept or skipped, with stop strings."""
+def test_each_ids_bytes_give_the_windows_text(tokenizer):
+    """The default tokenizer's `ByteLevel` decoder: each token's text from its bytes (`byte_tables`) where the
+    window's prefix is whole characters, else the window: the same text after every token on random ids, a
+    third of them byte tokens that split characters (also mid-prompt and left incomplete), special tokens kept
+    or skipped, with stop strings."""
+    cases = _random_cases(tokenizer, seed=0)
+    for skip in (True, False):
+        assert _same_text_both_ways(tokenizer, cases, "bytes", skip_special_tokens=skip) == len(cases)
+    assert _same_text_both_ways(tokenizer, cases, "bytes", stop=["end", "ñ", "\n"]) == len(cases)
+
+
+def test_whole_characters_skip_the_window(tokenizer, monkeypatch):
+    """Text of whole-character tokens takes no window decode at all; a character split across tokens takes
+    the window until the text is whole again."""
+    windows: list[list[int]] = []
+    real = IncrementalDetokenizer._window
+
+    def window(self, new):
+        windows.append(new)
+        return real(self, new)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_window", window)
+    plain = tokenizer("The quick brown fox jumps over the lazy dog, twice.", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("Say:").input_ids)
+    for t in plain:
+        detok.update([t])
+    assert detok.output_text == tokenizer.decode(plain) and windows == []
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    split = [t for t in ids if "\ufffd" in tokenizer.decode([t])]
+    for t in ids:
+        detok.update([t])
+    assert detok.output_text == tokenizer.decode(plain + ids)
+    assert len(split) <= len(windows) < len(ids)
+
+
+def test_the_decode_stream_gives_the_windows_text(tokenizer, monkeypatch):
+    """The Rust `DecodeStream` takes over the window for a decoder without byte tables (here the default
+    tokenizer's, its tables turned off): the same text after every token on random ids, special tokens kept or
+    skipped, with stop strings."""
+    from workers import detokenizer
+
+    monkeypatch.setattr(detokenizer, "byte_tables", lambda tokenizer: None)
     cases = _random_cases(tokenizer, seed=0)
     for skip in (True, False):
         assert _same_text_both_ways(tokenizer, cases, skip_special_tokens=skip) > 50
     assert _same_text_both_ways(tokenizer, cases, stop=["end", "ñ", "\n"]) > 50
+
+
+def test_byte_tables_follow_the_byte_level_decoder():
+    """Each id's bytes are what the Rust decode makes of it, added tokens outside GPT-2's alphabet (a space, a
+    non-ASCII letter) included, special tokens none when skipped; a decoder other than `ByteLevel` has none."""
+    from transformers import AutoTokenizer
+
+    from workers.detokenizer import byte_tables, raw_decode
+    from workers.model_loader import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    tok.add_tokens(["hé llo", "<my token>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|sp é|>"]})
+    tables = byte_tables(tok)
+    assert tables is not None and byte_tables(tok) is tables  # built once
+    decode = raw_decode(tok)
+    added = tok.convert_tokens_to_ids(["hé llo", "<my token>", "<|sp é|>"])
+    assert len(tables[False]) == len(tok)
+    for i in [*range(0, len(tok), 97), *added]:
+        for skip in (True, False):
+            assert tables[skip][i].decode(errors="replace") == decode([i], skip_special_tokens=skip), i
+    assert tables[False][added[0]] == "hé llo".encode() and tables[True][added[2]] == b""
+    assert tables[False][added[2]] == "<|sp é|>".encode()
+    assert byte_tables(_spacing_tokenizer()) is None
 
 
 def _deferred_text_is_the_steps_text(tok, cases, defers: bool, **kw) -> None:
@@ -202,22 +265,32 @@ def test_the_decode_stream_with_a_sentencepiece_style_decoder():
         _deferred_text_is_the_steps_text(fast, cases, False, skip_special_tokens=skip)
 
 
-def test_a_prompt_ending_in_part_of_a_character_keeps_the_window(tokenizer):
+def test_a_prompt_ending_in_part_of_a_character_keeps_the_window(tokenizer, monkeypatch):
     """Primed with a prompt tail that decodes to an incomplete character, the stream would report the
-    prompt's text with the first token: such a prompt keeps the window."""
+    prompt's text with the first token, and a token's bytes are not its text: such a prompt starts on the
+    window."""
+    from workers import detokenizer
+
     ids = tokenizer(TEXT, add_special_tokens=False).input_ids
     cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
-    detok = IncrementalDetokenizer(tokenizer, ids[:cut])
-    assert detok._stream is None
-    for t in ids[cut:]:
-        detok.update([t])
-    assert detok.output_text.endswith(" end") and "\ufffd" not in detok.output_text
-    assert IncrementalDetokenizer(tokenizer, tokenizer("Say:").input_ids)._stream is not None
+    for tables in (True, False):
+        if not tables:
+            monkeypatch.setattr(detokenizer, "byte_tables", lambda tokenizer: None)
+        detok = IncrementalDetokenizer(tokenizer, ids[:cut])
+        assert detok._stream is None and not detok._settled
+        for t in ids[cut:]:
+            detok.update([t])
+        assert detok.output_text.endswith(" end") and "\ufffd" not in detok.output_text
+        fresh = IncrementalDetokenizer(tokenizer, tokenizer("Say:").input_ids)
+        assert fresh._settled if tables else fresh._stream is not None
 
 
-def test_a_stream_that_raises_hands_over_to_the_window(tokenizer):
+def test_a_stream_that_raises_hands_over_to_the_window(tokenizer, monkeypatch):
     """If the Rust stream raises (a decoder it cannot follow), the window goes on from the last text it gave,
     tokens it still held included, and the text is what the window alone would have made."""
+    from workers import detokenizer
+
+    monkeypatch.setattr(detokenizer, "byte_tables", lambda tokenizer: None)
     ids = tokenizer(TEXT, add_special_tokens=False).input_ids
     prompt = tokenizer("Say:").input_ids
     split = next(i for i in range(1, len(ids)) if "\ufffd" in tokenizer.decode(ids[:i])[-1:])  # mid-character

@@ -77,3 +77,35 @@ def test_the_interval_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="stream_interval"):
             EngineConfig(stream_interval=bad)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_deltas_with_logprobs_add_up_to_the_final_output(tiny_model_dir, interval):
+    """A streamed request of one sequence with logprobs and prompt logprobs (each step's delta made by
+    `OutputProcessor._make_delta`): its deltas' tokens, text and logprobs add up to the final-only output's,
+    the prompt logprobs come once, with the first, and only the last is finished, with the cumulative logprob."""
+    def run(kind: OutputKind, interval: int) -> dict[str, list]:
+        engine = Engine(model=tiny_model_dir, dtype="float32", num_kv_blocks=64, num_threads=1,
+                        stream_interval=interval)
+        for rid, prompt in PROMPTS.items():
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+            engine.add_request(rid, None, params, prompt_token_ids=prompt, output_kind=kind)
+        outputs: dict[str, list] = {rid: [] for rid in PROMPTS}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id].append(out)
+        return outputs
+
+    deltas, final = run(OutputKind.DELTA, interval), run(OutputKind.FINAL_ONLY, interval)
+    for rid, prompt in PROMPTS.items():
+        outs, (whole,) = deltas[rid], final[rid]
+        assert len(outs) == (8 if interval == 1 else 4)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        seqs = [o.outputs[0] for o in outs]
+        assert [t for s in seqs for t in s.token_ids] == whole.outputs[0].token_ids
+        assert "".join(s.text for s in seqs) == whole.outputs[0].text
+        assert [lp for s in seqs for lp in s.logprobs] == whole.outputs[0].logprobs
+        assert seqs[-1].cumulative_logprob == pytest.approx(whole.outputs[0].cumulative_logprob)
+        assert seqs[-1].finish_reason == "length" and all(s.finish_reason is None for s in seqs[:-1])
+        assert outs[0].prompt_logprobs == whole.prompt_logprobs and len(whole.prompt_logprobs) == len(prompt)
+        assert all(o.prompt_logprobs is None for o in outs[1:])
