@@ -5,7 +5,14 @@ Each replica keeps its own registry; the ingress scrapes every replica and merge
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_right
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from workers.admission import ShedReason
 from workers.engine import EngineStats
@@ -16,6 +23,45 @@ disable_created_metrics()  # no `_created` series: they double the exposition an
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class StepHistogram(Collector):
+    """A histogram of one replica's label fed a step's values at once (`observe_many`): one sort and a bisection
+    per bucket, where prometheus-client's `Histogram.observe` takes a lock and bisects per value (~0.8 us: the
+    inter-token gaps of a batch-256 step cost 0.2 ms of the engine thread's time on a 2-core Zen 4). Exposed as
+    prometheus-client's own histogram is (`_bucket`, `_count`, `_sum`)."""
+
+    def __init__(self, name: str, doc: str, replica: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._doc, self._replica, self._bounds = name, doc, replica, tuple(buckets)
+        self._cumulative = [0] * len(self._bounds)
+        self._count, self._sum = 0, 0.0
+        self._lock = threading.Lock()  # observed on the engine thread, collected on the event loop's
+        registry.register(self)
+
+    def observe_many(self, values: list[float]) -> None:
+        if not values:
+            return
+        ordered = sorted(values)
+        at_most = [bisect_right(ordered, b) for b in self._bounds]  # values <= each bound
+        total = sum(ordered)
+        with self._lock:
+            self._cumulative = [a + b for a, b in zip(self._cumulative, at_most)]
+            self._count += len(ordered)
+            self._sum += total
+
+    def sample(self, suffix: str) -> float:
+        """The `_count` or `_sum` sample's value (a test's view)."""
+        with self._lock:
+            return self._count if suffix == "count" else self._sum
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            cumulative, count, total = list(self._cumulative), self._count, self._sum
+        family = HistogramMetricFamily(self._name, self._doc, labels=["replica"])
+        family.add_metric([self._replica], [(floatToGoString(b), c) for b, c in zip(self._bounds, cumulative)]
+                          + [("+Inf", count)], total)
+        yield family
 
 
 class EngineMetrics:
@@ -51,7 +97,8 @@ class EngineMetrics:
         for reason in ShedReason:
             self._rejected.labels(replica, reason.value)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the replica to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Gap between successive tokens of a sequence.", _ITL_BUCKETS)
+        self.itl = StepHistogram("kvrelay:inter_token_latency_seconds", "Gap between successive tokens of a sequence.",
+                                 replica, _ITL_BUCKETS, r)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the replica to the last token.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled step.", _LATENCY_BUCKETS)
         self.kv_held = gauge("num_kv_held", "Prefill pool: finished prompts whose KV blocks wait for a transfer.")
@@ -98,8 +145,7 @@ class EngineMetrics:
             if delta:
                 self._success.labels(self._replica, reason).inc(delta)
         self._last = stats
-        for gap in stats.token_gaps:
-            self.itl.observe(gap)
+        self.itl.observe_many(stats.token_gaps)
         for out in outputs:
             if out.finished:
                 m = out.metrics

@@ -43,8 +43,8 @@ def test_one_gap_per_token_step_whatever_the_output_kind(tiny_model_dir, kind, i
     engine.add_request("a", None, _params(), prompt_token_ids=[1, 5, 9, 200], output_kind=kind)
     engine.add_request("b", None, _params(), prompt_token_ids=list(range(100, 130)), output_kind=kind)
     outputs = _run(engine, metrics)
-    assert _count(metrics.itl) == 2 * (MAX_TOKENS - 1)
-    assert metrics.itl._sum.get() > 0
+    assert metrics.itl.sample("count") == 2 * (MAX_TOKENS - 1)
+    assert metrics.itl.sample("sum") > 0
     assert _count(metrics.ttft) == _count(metrics.e2e) == 2
     if kind is OutputKind.FINAL_ONLY:
         assert sorted((o.request_id, len(o.outputs[0].token_ids)) for o in outputs) == [("a", MAX_TOKENS),
@@ -91,4 +91,37 @@ def test_finished_outputs_feed_ttft_e2e_and_queue_time():
     metrics.observe_step(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {}, token_gaps=[0.25, 0.5]), [done, running])
     assert metrics.ttft._sum.get() == pytest.approx(0.1) and metrics.e2e._sum.get() == pytest.approx(0.4)
     assert metrics.queue_time._sum.get() == pytest.approx(0.05)
-    assert metrics.itl._sum.get() == pytest.approx(0.75) and _count(metrics.itl) == 2
+    assert metrics.itl.sample("sum") == pytest.approx(0.75) and metrics.itl.sample("count") == 2
+
+
+def test_a_steps_gaps_land_in_the_buckets_prometheus_client_would_put_them_in():
+    """The inter-token gaps, observed a step at a time (`StepHistogram.observe_many`), expose what
+    prometheus-client's `Histogram` gives for the same values one by one: every bucket's count (a gap equal to a
+    bound in that bucket), the count and the sum, under the same names and labels."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from workers.metrics import _ITL_BUCKETS
+
+    rng = random.Random(0)
+    steps = [[rng.choice([rng.random() * 0.3, rng.expovariate(20), *_ITL_BUCKETS, 9.0]) for _ in range(n)]
+             for n in (256, 0, 1, 37)]
+    metrics = EngineMetrics("r0")
+    reference = CollectorRegistry()
+    want = Histogram("kvrelay:inter_token_latency_seconds", "Gap between successive tokens of a sequence.",
+                     ["replica"], buckets=_ITL_BUCKETS, registry=reference).labels("r0")
+    for gaps in steps:
+        metrics.observe_step(EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, {}, token_gaps=gaps), [])
+        for gap in gaps:
+            want.observe(gap)
+
+    def itl_lines(registry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "inter_token_latency" in line]
+
+    got, expected = itl_lines(metrics.registry), itl_lines(reference)
+    assert len(got) == len(_ITL_BUCKETS) + 5  # help, type, the buckets and +Inf, count, sum
+    sums = [line for line in got if "_sum" in line], [line for line in expected if "_sum" in line]
+    assert [line for line in got if "_sum" not in line] == [line for line in expected if "_sum" not in line]
+    assert float(sums[0][0].split()[-1]) == pytest.approx(float(sums[1][0].split()[-1]))
+    assert metrics.itl.sample("count") == sum(len(g) for g in steps)
