@@ -13,7 +13,7 @@ set -u
 : "${OUT:?set OUT to the folder for the results}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")/../.."
-# at most 8 files come back from $OUT: nvidia-smi (with the commit), the check's JSON and log, two host-step
+# at most 8 files come back from $OUT: nvidia-smi (with the commit), the check's JSON and log, three host-step
 # JSONs and the tests' output; the host-step logs stay in /tmp, their last lines printed
 { git log -1 --format='commit %H %s' 2>/dev/null; nvidia-smi; } > "$OUT/nvidia-smi.txt" 2>&1
 timeout 300 python3 -m loadtest.gpu_check --model .gpu_check/model --out "$OUT" > "$OUT/gpu_check.log" 2>&1
@@ -29,7 +29,11 @@ echo "host_step exit $?"
 timeout 60 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind final \
     --rounds 2 --steps 48 --no-async-scheduling --profile --out "$OUT" > /tmp/host_step_in_turn.log 2>&1
 echo "host_step in turn exit $?"
-grep -h -A1 "^round\|^median" /tmp/host_step.log /tmp/host_step_in_turn.log
+# streamed (delta) outputs, as the server makes them: what making a step's outputs costs on this CPU
+timeout 60 python3 -m loadtest.host_step --device cuda --tokenizer .gpu_check/model --output-kind delta \
+    --rounds 2 --steps 48 --out "$OUT" > /tmp/host_step_delta.log 2>&1
+echo "host_step delta exit $?"
+grep -h -A1 "^round\|^median" /tmp/host_step.log /tmp/host_step_in_turn.log /tmp/host_step_delta.log
 # the Triton kernels and the CUDA IPC hand-off, on the GPU (the AOT sm_90 compile is CI's, on the CPU)
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention.py \
     tests/kernels/test_triton_layer_ops.py tests/kernels/test_triton_linear.py tests/workers/test_kv_transfer_cuda_ipc.py \
