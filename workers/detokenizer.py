@@ -85,6 +85,9 @@ def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
     those bytes, any other into its UTF-8; a token whose text alone differs from its bytes' is taken as its
     text where that is whole characters, else there is no table."""
     backend = tokenizer.backend_tokenizer
+    added = getattr(backend, "get_added_tokens_decoder", None)  # which are special: tokenizers 0.14 and later
+    if added is None:
+        return None
     n = backend.get_vocab_size(with_added_tokens=True)
     alphabet = _byte_level_alphabet()
     table: list[bytes] = []
@@ -102,7 +105,7 @@ def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
             if _INCOMPLETE in text:
                 return None
             table[i] = text.encode()
-    special = [i for i, t in backend.get_added_tokens_decoder().items() if t.special and i < n]
+    special = [i for i, t in added().items() if t.special and i < n]
     skipping = list(table)
     for i in special:
         skipping[i] = b""
