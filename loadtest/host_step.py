@@ -133,6 +133,9 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
     ahead_inputs, wait, greedy = (Timed(model_runner.build_ahead_inputs), Timed(PendingSample.result),
                                   Timed(model_runner.launch_greedy))
     more = {"step_inputs": [ahead_inputs], "sample": [wait, greedy]}
+    # the instances' own attributes before the timers (`host_only`'s forward), put back after
+    patched = [(sched, "schedule"), (sched, "update_from_output"), (runner, "_forward"), (outputs, "process")]
+    own = [(obj, name, vars(obj).get(name)) for obj, name in patched]
     sched.schedule, sched.update_from_output = timers["schedule"], timers["update"]
     runner._forward, outputs.process = timers["forward"], timers["outputs"]
     graphs = runner.graphs  # a decode step that replays a CUDA graph calls one of these instead of `_forward`
@@ -189,7 +192,11 @@ def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any,
                 per_phase["forward"][-1] += replayed()
             clock.seconds, clock.collections = 0.0, [0, 0, 0]
     finally:
-        del sched.schedule, sched.update_from_output, runner._forward, outputs.process
+        for obj, name, value in own:
+            if value is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
         if graphs is not None:
             del graphs.run, graphs.advance
         model_runner.build_step_inputs, model_runner.launch_sample = timers["step_inputs"].fn, timers["sample"].fn

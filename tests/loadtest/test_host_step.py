@@ -80,11 +80,16 @@ def test_the_module_runs_on_its_own(tmp_path, default_model_dir, capsys):
 
 def test_host_only_runs_the_graph_path_without_the_model(tmp_path, default_model_dir, capsys, monkeypatch):
     """`--host-only`: the forward pass replaced by fixed logits and decode graphs replayed by the stand-in, so
-    that steps queued ahead advance the graph's buffers as on a GPU; the run's JSON says so."""
+    that steps queued ahead advance the graph's buffers as on a GPU; the run's JSON says so. The model never
+    runs, in the warm-up or after it (each round's timers put the replaced forward back)."""
     import json
 
     from workers.cuda_graphs import DecodeGraphs
 
+    def model_ran(*args, **kwargs):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_forward", model_ran)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     advance, advanced = DecodeGraphs.advance, []
     monkeypatch.setattr(DecodeGraphs, "advance", lambda self, *a: advanced.append(a[0]) or advance(self, *a))
