@@ -230,12 +230,14 @@ _SM_COUNT: dict[torch.device, int] = {}
 
 
 def sm_count(device: torch.device) -> int:
-    """The GPU's multiprocessors (8 for a CPU under the interpreter, so tests split as a small GPU would; 132, an
-    H100's or H200's, on the meta device, where `workers.kernel_variants` records the launches a GPU makes)."""
+    """The GPU's multiprocessors (2 for a CPU under the interpreter, so that tests split few-sequence steps as a
+    small GPU would in few programs: with 8, each interpreted program dearer than the work it splits, the GPU
+    check's dry run took 86 s against 56; 132, an H100's or H200's, on the meta device, where
+    `workers.kernel_variants` records the launches a GPU makes)."""
     if device.type == "meta":
         return META_SM_COUNT
     if device.type != "cuda":
-        return 8
+        return 2
     if device not in _SM_COUNT:
         _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device]
