@@ -140,34 +140,23 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert "ALL PASSED" in proc.stdout
 
 
-def test_only_runs_the_named_sections(tmp_path):
+def test_only_runs_the_named_sections_and_separate_kernels_skips_the_linear_sweep(tmp_path):
     """`--only` (a rerun within what is left of a lease) runs the named sections and `environment`, and
-    records every other one as skipped; an unknown name is refused."""
+    records every other one as skipped; an unknown name is refused. `--separate-kernels` (a rerun's fallback
+    if the fused norm-and-matmul kernels fail on a GPU) skips the linear sweep, which would apply them."""
     proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--only", "greedy_graphs_on_vs_off"], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+                           "--only", "greedy_graphs_on_vs_off,linear_sweep", "--separate-kernels"], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["complete"] and sorted(report["passed"]) == ["environment", "greedy_graphs_on_vs_off"]
     assert list(report["checks"]) == SECTIONS
-    assert all(report["checks"][s]["reason"] == "not in --only" for s in report["skipped"])
+    assert report["checks"]["linear_sweep"] == {"status": "skipped", "reason": "--separate-kernels"}
+    assert all(report["checks"][s]["reason"] == "not in --only" for s in report["skipped"] if s != "linear_sweep")
     bad = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
                           "--only", "throughput,nonsense"], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown sections ['nonsense']" in bad.stderr
-
-
-def test_separate_kernels_keeps_the_fused_norm_and_matmul_off(tmp_path):
-    """`--separate-kernels` (a rerun's fallback if the fused kernels fail on a GPU): the linear sweep is
-    skipped and the throughput section runs with each layer's norms and matmuls apart."""
-    proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--only", "linear_sweep,throughput", "--separate-kernels"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
-    assert checks["linear_sweep"] == {"status": "skipped", "reason": "--separate-kernels"}
-    assert checks["throughput"]["status"] == "passed"
-    assert all(b["norm_linear_config"] is None for b in checks["throughput"]["batch"].values())
 
 
 COMPILE_CLOCK = """

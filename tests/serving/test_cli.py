@@ -331,8 +331,37 @@ def _kvrelay_serve(port: int, *flags: str):
             proc.wait()
 
 
+def _kill_the_replica_mid_stream_and_wait_for_its_replacement(url: str, port: int) -> None:
+    """A direct-ingress replica killed mid-stream: the stream is cut, and the dead replica's connections sit in
+    TIME_WAIT for a minute; its replacement binds the port anyway (`serving/direct_ingress.py`), as soon as
+    Serve has started it, and serves."""
+    pid, cmdline = listener(port)
+    assert "ServeReplica" in cmdline
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once",
+                                                   "max_tokens": 4000, "ignore_eos": True}, started)
+        assert started.wait(120)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises((AssertionError, OSError, http_client.HTTPException)):  # cut, without [DONE]
+            stream.result(timeout=60)
+    assert any(state == "06" for state, _ in sockets_on(port))  # TIME_WAIT: what held Ray's own replica off
+    while True:
+        try:
+            if http("GET", f"{url}/health", timeout=5)[0] == 200:
+                break
+        except OSError:  # refused while no replica listens
+            pass
+        assert time.monotonic() - killed < 45, "the port did not serve again within 45 s of the kill"
+        time.sleep(0.25)
+    assert listener(port)[0] != pid
+
+
 @pytest.mark.parametrize("direct_ingress", [False, True], ids=["proxy", "direct-ingress"])
 def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingress):
+    """A server's life: it starts, answers, (with direct ingress: its replica, killed mid-stream, is replaced
+    on its port within seconds and answers,) drains a stream in flight on Ctrl-C, and leaves nothing behind."""
     port = free_port()
     phases = _Phases()
     # Direct ingress is the default here (a local cluster, the engine in the ingress's one replica).
@@ -348,6 +377,12 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
                             {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
         phases.mark("first_completion")
+        if direct_ingress:
+            _kill_the_replica_mid_stream_and_wait_for_its_replacement(url, port)
+            phases.mark("replaced")
+            status, body = http("POST", f"{url}/v1/completions",
+                                {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
+            assert status == 200 and body["usage"]["completion_tokens"] == 3
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # a stream in flight when Ctrl-C comes: it finishes
             stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 32,
@@ -366,38 +401,3 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
         with pytest.raises(OSError):  # nothing listens any more
             http("GET", f"{url}/health", timeout=5)
         assert not temp_dir.exists()  # the Ray session's files are gone
-
-
-def test_a_direct_ingress_replica_killed_mid_stream_is_replaced_on_its_port_within_seconds():
-    """The dead replica's connections sit in TIME_WAIT for a minute; its replacement binds the port anyway
-    (`serving/direct_ingress.py`), as soon as Serve has started it, and serves."""
-    port = free_port()
-    with _kvrelay_serve(port) as (proc, _):
-        url = f"http://127.0.0.1:{port}"
-        pid, cmdline = listener(port)
-        assert "ServeReplica" in cmdline
-        started = threading.Event()
-        with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once",
-                                                       "max_tokens": 4000, "ignore_eos": True}, started)
-            assert started.wait(120)
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            with pytest.raises((AssertionError, OSError, http_client.HTTPException)):  # cut, without [DONE]
-                stream.result(timeout=60)
-        assert any(state == "06" for state, _ in sockets_on(port))  # TIME_WAIT: what held Ray's own replica off
-        while True:
-            try:
-                if http("GET", f"{url}/health", timeout=5)[0] == 200:
-                    break
-            except OSError:  # refused while no replica listens
-                pass
-            assert time.monotonic() - killed < 45, "the port did not serve again within 45 s of the kill"
-            time.sleep(0.25)
-        assert listener(port)[0] != pid
-        status, body = http("POST", f"{url}/v1/completions",
-                            {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, output[-2000:]

@@ -161,7 +161,7 @@ async def _sse(session: aiohttp.ClientSession, url: str, body: dict, started: as
 
 
 def test_redeploy_lets_a_short_stream_finish_and_ends_a_long_one_with_an_error(deploy_app):
-    drain_s, options = 15.0, dict(drain_timeout_s=15, replica_wait_timeout_s=WAIT_S)
+    drain_s, options = 8.0, dict(drain_timeout_s=8, replica_wait_timeout_s=WAIT_S)
     url = deploy_app("drain", **options)
     body = {"model": MODEL, "prompt": "Once upon a time", "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
