@@ -198,7 +198,7 @@ class AppConfig(BaseModel):
             # Ray sets OMP_NUM_THREADS=1 in actors (from num_cpus=0); the engine's OpenMP code (our compiled
             # kernel, oneDNN) reads it once at start, so give it the engine's thread count instead.
             "ray_actor_options": {"num_cpus": 0, "num_gpus": 0 if tp > 1 else gpus,
-                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}},
+                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, **SERVE_REPLICA_ENV}}},
             "max_ongoing_requests": self.replica_max_ongoing_requests(engine),
             "request_router_config": RequestRouterConfig(
                 request_router_class=KVRelayRequestRouter,
@@ -240,10 +240,19 @@ class AppConfig(BaseModel):
             opts = self.worker_deployment_options()
             del opts["request_router_config"]
             return opts
-        return {"graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
+        return {"ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": dict(SERVE_REPLICA_ENV)}},
+                "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
                 "graceful_shutdown_timeout_s": self.drain_timeout_s + 2 * DRAIN_MARGIN_S}
 
 
+# Serve settings of kvrelay's replicas, read by Serve as the replica's process starts. Serve runs a replica's
+# code (the ingress's handlers, the engine client, the engine's publishing) on an event loop of its own by
+# default, beside the loop that serves HTTP (direct ingress) and talks to the controller, so each chunk of a
+# stream crosses from one thread to the other. At GPU rates a replica streams thousands of chunks a second:
+# on one loop a replica streamed ~1.3x the tokens (docs/benchmarks.md, "Streams at a GPU's rate"). Our
+# handlers never block their loop (the engine steps in a thread of its own; Serve still runs sync methods in
+# its thread pool).
+SERVE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 TOOL_CALL_PARSERS = ("hermes",)
 # Serve force-kills a stopping engine replica this long after drain_timeout_s. The replica ends its own
 # requests at drain_timeout_s; the margin is for the ingress's fallback, which counts from when Serve's long

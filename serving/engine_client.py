@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle
 
 from router.registry import known_replica_ids
 from workers.messages import Accepted, GenerateRequest, Rejected, StepBatch
-from workers.outputs import RequestOutput
+from workers.outputs import RequestOutput, merge_deltas
 from workers.replica_drain import DRAIN_POLL_S, ReplicaStopping
 
 logger = logging.getLogger(__name__)
@@ -83,20 +83,35 @@ class RequestStream:
         self._closed = False
         self.replica_id = sub.replica_id
         self.kv_ticket: Any = None
+        self._held: EngineError | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next delta; deltas already queued behind it (a consumer behind the engine: a batch of requests
+        each streamed by Python at a GPU's rate) come as one, so that the chunks a request is sent, and the
+        work for each, keep to what its consumer can take (vLLM merges alike)."""
         if self.finished or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item, self._held = self._held, None
+        if item is None:
+            item = await self._queue.get()
         while isinstance(item, _Ticket):
             self.kv_ticket = item.ticket
             item = await self._queue.get()
         if isinstance(item, EngineError):
             self.close()
             raise item
+        while not item.finished and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, _Ticket):
+                self.kv_ticket = later.ticket
+            elif isinstance(later, EngineError):
+                self._held = later  # raised by the next call, after what came before it
+                break
+            else:
+                item = merge_deltas(item, later)
         if item.finished:
             self.finished = True
             self.close()

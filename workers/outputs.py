@@ -34,3 +34,23 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
     # None, then per prompt token its top-k and actual token (when asked; in delta outputs, the first only)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two delta outputs of one request, `later` right after `first`, as one: each sequence's text, tokens and
+    logprobs joined, the later finish reason, cumulative logprob and state; prompt logprobs (in the first
+    delta only) kept. Neither input is changed. What a consumer behind the engine sends as one chunk (vLLM's
+    output collector merges alike)."""
+    seqs = {c.index: c for c in first.outputs}
+    for c in later.outputs:
+        a = seqs.get(c.index)
+        seqs[c.index] = c if a is None else CompletionOutput(
+            c.index, a.text + c.text, a.token_ids + c.token_ids,
+            c.cumulative_logprob if c.cumulative_logprob is not None else a.cumulative_logprob,
+            None if a.logprobs is None and c.logprobs is None else (a.logprobs or []) + (c.logprobs or []),
+            c.finish_reason if c.finish_reason is not None else a.finish_reason,
+            c.stop_reason if c.stop_reason is not None else a.stop_reason)
+    return RequestOutput(later.request_id, later.prompt if later.prompt is not None else first.prompt,
+                         later.prompt_token_ids, [seqs[i] for i in sorted(seqs)], later.finished,
+                         later.num_cached_tokens, {**first.metrics, **later.metrics},
+                         first.prompt_logprobs if first.prompt_logprobs is not None else later.prompt_logprobs)

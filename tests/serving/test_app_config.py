@@ -27,6 +27,9 @@ def test_lifecycle_options_reach_the_engine_and_ingress_deployments():
         assert 12 < engine_config.graceful_shutdown_timeout_s < ingress._deployment_config.graceful_shutdown_timeout_s
         assert engine.init_kwargs["max_failed_steps"] == 3
         assert ingress.init_args[1]["replica_wait_timeout_s"] == 10  # the default, read by the ingress
+        for dep in (ingress, engine):  # each replica runs its code on Serve's own loop (SERVE_REPLICA_ENV)
+            assert dep.ray_actor_options["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+            assert dep.ray_actor_options["num_cpus"] == 0  # what the class's decorator says, kept
 
 
 def test_the_engine_runs_in_the_ingress_by_default_when_the_app_has_one_engine_replica():

@@ -141,3 +141,71 @@ def test_local_call_passes_items_errors_and_cancellation():
         assert closed == ["fail", "wait"]
 
     asyncio.run(run())
+
+
+def test_a_consumer_behind_the_engine_gets_what_queued_as_one_output(worker, tiny_model_dir):
+    """Deltas queued while nobody read the stream (as when the ingress falls behind a GPU's steps) come as one
+    output: every token, text and the finish, in order, the same as the offline engine's."""
+    prompt = list(range(100, 110))
+
+    async def run() -> list:
+        client = LocalEngineClient(worker)
+        stream = await client.submit(_request("late", prompt, 12))
+        for _ in range(400):  # the request runs to its end before the stream is read
+            if _idle(worker):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # the last step's outputs reach the stream's queue
+        outs = [out async for out in stream]
+        client.close()
+        return outs
+
+    outs = asyncio.run(run())
+    offline = LLM(**_options(tiny_model_dir)).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                ignore_eos=True))[0].outputs[0]
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].outputs[0].token_ids == offline.token_ids and outs[0].outputs[0].text == offline.text
+    assert outs[0].outputs[0].finish_reason == "length"
+
+
+def test_queued_deltas_merge_up_to_an_error_which_comes_next_and_tickets_are_kept():
+    from serving.engine_client import EngineClient, RequestStream, _Subscription, _Ticket
+    from workers.outputs import CompletionOutput, RequestOutput
+
+    def delta(tokens: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "".join(f"<{t}>" for t in tokens), tokens,
+                                                                  finish_reason="length" if finished else None)],
+                             finished)
+
+    class Call:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    async def stream_of(items: list) -> RequestStream:
+        client, queue, sub = EngineClient(None), asyncio.Queue(), _Subscription("replica")
+        for item in items:
+            queue.put_nowait(item)
+        client._queues["r"] = queue
+        sub.requests.add("r")
+        return RequestStream(client, "r", queue, Call(), sub, asyncio.create_task(asyncio.sleep(3600)))
+
+    async def run() -> None:
+        stream = await stream_of([delta([1]), delta([2, 3]), _Ticket("ticket"), delta([4]),
+                                  EngineError("the replica went away"), delta([5])])
+        first = await anext(stream)
+        assert first.outputs[0].token_ids == [1, 2, 3, 4] and first.outputs[0].text == "<1><2><3><4>"
+        assert not first.finished and stream.kv_ticket == "ticket"
+        with pytest.raises(EngineError, match="went away"):  # after what came before it, not instead
+            await anext(stream)
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        done = await stream_of([delta([1]), delta([2], finished=True)])
+        last = await anext(done)
+        assert last.finished and last.outputs[0].token_ids == [1, 2] and last.outputs[0].finish_reason == "length"
+        assert done.finished and not done._stream.cancelled  # ended, not aborted
+        with pytest.raises(StopAsyncIteration):
+            await anext(done)
+
+    asyncio.run(run())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import aiohttp
@@ -361,3 +362,27 @@ def test_tool_choice_auto_and_none_answer(client):
     none = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="none",
                                           max_tokens=12, temperature=0)
     assert none.choices[0].message.content and not none.choices[0].message.tool_calls
+
+
+def _runs_user_code_on_serves_loop(replica) -> tuple[bool, bool]:
+    """In the replica's process: (Serve's setting, whether Serve made a second loop for the user code)."""
+    from ray.serve._private import constants
+
+    return constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, any(
+        t.name.startswith("Thread-") and "_run_user_code_event_loop" in t.name for t in threading.enumerate())
+
+
+def test_the_apps_replicas_run_their_code_on_serves_own_loop(url):
+    """`SERVE_REPLICA_ENV` reaches the replicas: no second event loop, so a stream's chunks do not cross threads."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the probe goes to the replica by value
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::") and "main#" in a["name"]]
+    assert names
+    for name in names:
+        replica = ray.get_actor(name, namespace="serve")
+        assert ray.get(replica.__ray_call__.remote(_runs_user_code_on_serves_loop), timeout=60) == (False, False), name
