@@ -249,7 +249,7 @@ class AppConfig(BaseModel):
 # code (the ingress's handlers, the engine client, the engine's publishing) on an event loop of its own by
 # default, beside the loop that serves HTTP (direct ingress) and talks to the controller, so each chunk of a
 # stream crosses from one thread to the other. At GPU rates a replica streams thousands of chunks a second:
-# on one loop a replica streamed ~1.3x the tokens (docs/benchmarks.md, "Streams at a GPU's rate"). Our
+# on one loop a replica streamed ~1.25x the tokens (docs/benchmarks.md, "Streams at a GPU's rate"). Our
 # handlers never block their loop (the engine steps in a thread of its own; Serve still runs sync methods in
 # its thread pool).
 SERVE_REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
