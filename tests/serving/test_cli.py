@@ -331,6 +331,12 @@ def _kvrelay_serve(port: int, *flags: str):
             proc.wait()
 
 
+def _answers_three_tokens(url: str) -> None:
+    status, body = http("POST", f"{url}/v1/completions",
+                        {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
 def _kill_the_replica_mid_stream_and_wait_for_its_replacement(url: str, port: int) -> None:
     """A direct-ingress replica killed mid-stream: the stream is cut, and the dead replica's connections sit in
     TIME_WAIT for a minute; its replacement binds the port anyway (`serving/direct_ingress.py`), as soon as
@@ -373,16 +379,12 @@ def test_kvrelay_serve_starts_answers_drains_on_ctrl_c_and_cleans_up(direct_ingr
         assert f"{url}/v1" in lines[-1]
         # Behind Serve's proxy, or the engine's replica itself with direct ingress.
         assert ("ServeReplica" if direct_ingress else "ProxyActor") in listener(port)[1]
-        status, body = http("POST", f"{url}/v1/completions",
-                            {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        _answers_three_tokens(url)
         phases.mark("first_completion")
         if direct_ingress:
             _kill_the_replica_mid_stream_and_wait_for_its_replacement(url, port)
             phases.mark("replaced")
-            status, body = http("POST", f"{url}/v1/completions",
-                                {"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 3})
-            assert status == 200 and body["usage"]["completion_tokens"] == 3
+            _answers_three_tokens(url)
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:  # a stream in flight when Ctrl-C comes: it finishes
             stream = pool.submit(_stream_events, url, {"model": "SmolLM2-135M-Instruct", "prompt": "Once", "max_tokens": 32,
