@@ -10,13 +10,40 @@ import numpy as np
 from workers.sampler import SampleOutput
 
 
-def propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+class TokenArray:
+    """An int64 copy of a token list that only grows at its end (a request's `all_token_ids`), brought up to date
+    by the tokens added since it was last read: a request's drafts then cost no conversion of its whole history
+    each step (half of `propose`'s time at 1,000 tokens). A list that shrank or another list is copied anew."""
+
+    __slots__ = ("_source", "_buf", "_n")
+
+    def __init__(self) -> None:
+        self._source: list[int] | None = None
+        self._buf = np.empty(0, dtype=np.int64)
+        self._n = 0
+
+    def of(self, tokens: list[int]) -> np.ndarray:
+        n = len(tokens)
+        if tokens is not self._source or n < self._n:
+            self._source, self._n = tokens, 0
+        if n > len(self._buf):
+            buf = np.empty(max(n, 2 * len(self._buf), 256), dtype=np.int64)
+            buf[:self._n] = self._buf[:self._n]
+            self._buf = buf
+        if n > self._n:
+            self._buf[self._n:n] = tokens[self._n:n]
+            self._n = n
+        return self._buf[:n]
+
+
+def propose(tokens: list[int] | np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of
-    `max_n`..`min_n` tokens; [] when no such suffix occurred before."""
+    `max_n`..`min_n` tokens; [] when no such suffix occurred before. `tokens`: a list, or its int64 array
+    (`TokenArray.of`)."""
     total = len(tokens)
     if k < 1 or total <= min_n:
         return []
-    arr = np.asarray(tokens, dtype=np.int64)
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         # windows starting at 0..total-n-1 (the suffix itself excluded) that equal the suffix
         hits = arr[:total - n] == arr[total - n]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.kv_cache_manager import KVCacheManager
-from workers.ngram import propose
+from workers.ngram import TokenArray, propose
 from workers.request import Request, RequestStatus
 from workers.request_queue import RequestQueue
 
@@ -219,7 +219,11 @@ class Scheduler:
                    c.max_model_len - req.num_tokens - 1)
         if room > 0 and len(self.running) > 1:
             room = self._earned(req, room)
-        return propose(req.all_token_ids, room, c.prompt_lookup_max, c.prompt_lookup_min) if room > 0 else []
+        if room <= 0:
+            return []
+        if req.token_array is None:
+            req.token_array = TokenArray()
+        return propose(req.token_array.of(req.all_token_ids), room, c.prompt_lookup_max, c.prompt_lookup_min)
 
     @staticmethod
     def _earned(req: Request, room: int) -> int:

@@ -9,7 +9,7 @@ import pytest
 from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.metrics import EngineMetrics
-from workers.ngram import accept_drafts, propose
+from workers.ngram import TokenArray, accept_drafts, propose
 from workers.output_processor import OutputKind
 from workers.sampler import SampleOutput
 from workers.sampling_params import SamplingParams
@@ -31,6 +31,25 @@ def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
     assert propose([7, 1, 2, 8, 5, 2], 3, 3, 2) == []  # ...which is shorter than min_n
     assert propose([1, 2, 1, 2], 5, 4, 1) == [1, 2]  # no further than the sequence goes
     assert propose([1, 2, 3, 1, 2], 0, 4, 1) == [] and propose([5], 3, 4, 1) == []
+
+
+def test_a_token_array_kept_up_to_date_proposes_as_the_list_does():
+    """`TokenArray`: a request's history as int64, extended by what was appended since it was last read; copied
+    anew for another list or one that shrank. Its drafts are the list's, step by step."""
+    import random
+
+    rng = random.Random(0)
+    tokens, arr = [rng.randrange(6) for _ in range(5)], TokenArray()
+    for step in range(400):  # past the first buffer (256) and its doubling
+        tokens += [rng.randrange(6) for _ in range(rng.choice([1, 1, 1, 3]))]
+        view = arr.of(tokens)
+        assert view.tolist() == tokens
+        assert propose(view, 4, 4, 1) == propose(tokens, 4, 4, 1), step
+    other = [9, 8, 9, 8]
+    assert arr.of(other).tolist() == other  # another list
+    del other[2:]
+    other.append(5)
+    assert arr.of(other).tolist() == [9, 8, 5]  # shorter than when last read: copied anew
 
 
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
