@@ -4,6 +4,7 @@ whose tokens are decided one at a time never speculate; every KV block comes bac
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from workers.config import EngineConfig
@@ -31,6 +32,10 @@ def test_propose_takes_the_latest_occurrence_of_the_longest_suffix():
     assert propose([7, 1, 2, 8, 5, 2], 3, 3, 2) == []  # ...which is shorter than min_n
     assert propose([1, 2, 1, 2], 5, 4, 1) == [1, 2]  # no further than the sequence goes
     assert propose([1, 2, 3, 1, 2], 0, 4, 1) == [] and propose([5], 3, 4, 1) == []
+    # the last token's 42 earlier places narrowed in numpy: none is preceded by another 5 (the first, at 0, by
+    # nothing), so no suffix of 2 tokens occurred before; the latest 1-token one is the 5 after the 7
+    many = [5] + [9, 5] * 40 + [7, 5, 5]
+    assert propose(many, 4, 4, 2) == [] and propose(many, 4, 4, 1) == [5]
 
 
 def test_a_token_array_kept_up_to_date_proposes_as_the_list_does():
@@ -50,6 +55,39 @@ def test_a_token_array_kept_up_to_date_proposes_as_the_list_does():
     del other[2:]
     other.append(5)
     assert arr.of(other).tolist() == [9, 8, 5]  # shorter than when last read: copied anew
+
+
+def _propose_by_definition(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - n - 1, -1, -1):  # the latest earlier window first
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 50, 5000])
+def test_propose_finds_the_latest_longest_earlier_suffix(vocab):
+    """Drafts as the definition gives them (the longest suffix of max_n..min_n tokens that occurred before, its
+    latest place), over histories whose last token occurred before in a few places (Python's extension) and in
+    hundreds (numpy's), with list and array input."""
+    import random
+
+    rng = random.Random(vocab)
+    many = 0
+    for trial in range(300):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 700))]
+        if rng.random() < 0.3 and len(tokens) > 8:  # a repeated run, as text that repeats itself has
+            start = rng.randrange(len(tokens) - 6)
+            tokens += tokens[start:start + rng.randrange(1, 6)]
+        k, max_n = rng.randrange(0, 6), rng.randrange(1, 6)
+        min_n = rng.randrange(1, max_n + 1)
+        want = _propose_by_definition(tokens, k, max_n, min_n) if k and len(tokens) > min_n else []
+        assert propose(tokens, k, max_n, min_n) == want, (trial, k, max_n, min_n)
+        assert propose(np.asarray(tokens, dtype=np.int64), k, max_n, min_n) == want, trial
+        many += tokens[:-1].count(tokens[-1]) > 32
+    if vocab <= 5:
+        assert many > 100  # the numpy path ran
 
 
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
