@@ -252,8 +252,8 @@ class ResponseView:
     def _plain_event(self, i: int, c: CompletionOutput) -> str:
         """`_event(self._chunk(i, c, ...))` of a delta with no logprobs to show, byte for byte, written into the
         JSON that pydantic wrote for a chunk of marks: the chunk model's fields and their order are then pydantic's
-        own, and a streamed token costs two string escapes, not a model built, validated and dumped (~1 us
-        against ~5 here; a stream at a GPU's rate sends one a token)."""
+        own, and a streamed token costs two string escapes, not a model built, validated and dumped (0.27 us
+        against ~6 on a 2-core Zen 4; a stream at a GPU's rate sends one a token)."""
         if self._plain is None:
             marks = CompletionOutput(0, _TEXT_MARK, [], finish_reason=_FINISH_MARK)
             marked = _event(self._chunk(_INDEX_MARK, marks, 0))

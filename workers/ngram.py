@@ -65,7 +65,7 @@ def propose(tokens: list[int] | np.ndarray, k: int, max_n: int, min_n: int) -> l
         if not longer.size:
             break
         ends, n = longer, n + 1
-    if ends.size > _FEW_CANDIDATES or n == top:  # each matches n tokens and no more: the latest wins
+    if ends.size > _FEW_CANDIDATES or n == top:  # each matches n tokens (none more, or n is the most): the latest
         best, best_len = int(ends[-1]), n
     else:
         at, best, best_len = arr.item, -1, 0

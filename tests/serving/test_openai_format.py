@@ -11,8 +11,8 @@ import pytest
 from serving.openai_format import ResponseView, _event
 from workers.outputs import CompletionOutput, Logprob, RequestOutput
 
-TEXTS = ["", " hello", 'a "quoted" \\ back\\slash', "".join(map(chr, range(32))) + "\x7f", "é, 中文, 🙂, \u2028\u2029",
-         "</script>&<'>", "\ud7ff\ue000\uffff"]
+TEXTS = ["", " hello", 'a "quoted" \\ back\\slash', "".join(map(chr, range(32))) + "\x7f",
+         "é, 中文, 🙂, \u2028\u2029", "</script>&<'>", "\ud7ff\ue000\uffff"]
 
 
 @pytest.mark.parametrize("chat", [False, True])
