@@ -25,7 +25,9 @@ def fusable_head_dim(head_dim: int) -> bool:
 
 @triton.jit
 def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, block_size,
-                     stride_kb, stride_ks, stride_vb, stride_vs, ROW: tl.constexpr, ROW_P: tl.constexpr):
+                     stride_kb, stride_ks, stride_vb, stride_vs, ROW: tl.constexpr, ROW_P: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot < 0:
@@ -44,9 +46,10 @@ def _rope_store_kv_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_mapping
                           stride_qt, stride_qh, stride_vt, stride_vh_in, stride_table, num_heads, num_kv_heads,
                           block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr, KV_P: tl.constexpr,
-                          DIM_P: tl.constexpr):
+                          DIM_P: tl.constexpr, PDL: tl.constexpr = False):
     """Token `pid`: its query and key heads rotated in place (`triton_layer_ops.rotate_in_place`), then its
     rotated keys and its values stored into its slot, unless the slot is negative."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     o1, o2, heads, cols, col_ok = rotate_in_place(qk_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh,
                                                   stride_table, num_heads + num_kv_heads, HALF, HEADS_P, HALF_P)
@@ -157,7 +160,7 @@ def rope_store_kv(qk: torch.Tensor, value: torch.Tensor, cos_table: torch.Tensor
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), HALF=dim // 2, HEADS_P=triton.next_power_of_2(all_heads),
             HALF_P=triton.next_power_of_2(dim // 2), KV_P=triton.next_power_of_2(num_kv_heads),
-            DIM_P=triton.next_power_of_2(dim))
+            DIM_P=triton.next_power_of_2(dim), **pdl_launch(triton_linear.SMALL_OPS_PDL, qk.device))
 
 
 def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -211,4 +214,4 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), k_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        ROW=row, ROW_P=triton.next_power_of_2(row))
+        ROW=row, ROW_P=triton.next_power_of_2(row), **pdl_launch(triton_linear.SMALL_OPS_PDL, key.device))

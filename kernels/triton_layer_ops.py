@@ -19,13 +19,15 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.layer_ops import TorchLayerOps
+from kernels.triton_linear import pdl_start
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_res, stride_out, stride_sum, n, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Row `pid`: with a residual, `s = x + res` rounded to the dtype (written to `sum_ptr`); the norm of `s`
     (or of `x`) in float32, rounded, then times the weight and rounded again, as `TorchLayerOps.rms_norm`."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -76,15 +78,17 @@ def rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stri
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
-                 HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr):
+                 HALF: tl.constexpr, HEADS_P: tl.constexpr, HALF_P: tl.constexpr, PDL: tl.constexpr = False):
     """Token `pid`, every head rotated in place (`rotate_in_place`)."""
+    pdl_start(PDL)
     rotate_in_place(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_xt, stride_xh, stride_table, num_heads,
                     HALF, HEADS_P, HALF_P)
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Row `pid(0)`, columns of block `pid(1)`: `silu(gate)` rounded to the dtype, times `up`, rounded."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -96,6 +100,12 @@ def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n, BLOCK: tl.co
 
 
 SILU_BLOCK = 1024
+
+
+def _pdl(device: torch.device) -> dict:
+    """A small kernel's launch arguments: with programmatic dependent launch where `SMALL_OPS_PDL` says and the
+    device has it (`triton_linear.pdl_launch`)."""
+    return triton_linear.pdl_launch(triton_linear.SMALL_OPS_PDL, device)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +130,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
                                          total.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
-                                         num_warps=_norm_warps(block))
+                                         num_warps=_norm_warps(block), **_pdl(x.device))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -146,7 +156,7 @@ def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos
     if tokens:
         _rope_kernel[(tokens,)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), cos_table.stride(0),
                                 heads, HALF=half, HEADS_P=triton.next_power_of_2(heads),
-                                HALF_P=triton.next_power_of_2(half))
+                                HALF_P=triton.next_power_of_2(half), **_pdl(x.device))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -155,7 +165,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     if g2.shape[0]:
         _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, SILU_BLOCK))](g2, out, g2.stride(0), out.stride(0), n,
-                                                                        BLOCK=SILU_BLOCK, num_warps=4)
+                                                                        BLOCK=SILU_BLOCK, num_warps=4,
+                                                                        **_pdl(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)
 
 

@@ -227,6 +227,11 @@ class LinearConfig:
 # (docs/benchmarks.md, 2026-12-05) a batch-256 step's layers but attention took 808 us that way, 901 with the
 # fastest fused config and 943 with `LinearConfig()`; at one row 709 against 733.
 NORM_LINEAR_CONFIG: LinearConfig | None = None
+# programmatic dependent launch (`pdl_launch`) for the layers' small kernels beside cuBLAS's matmuls: the norms,
+# rotary with the K/V store, SiLU-and-mul (`triton_layer_ops`, `triton_kv_write.rope_store_kv` and `store_kv`).
+# Off until a GPU has timed it: the GPU check's linear sweep times the layers both ways and sets it for its later
+# sections where it wins by `PDL_GAIN`
+SMALL_OPS_PDL = False
 
 
 def resolve_config(config: LinearConfig | None) -> LinearConfig:

@@ -9,7 +9,8 @@ block tables as wide as theirs), prefill chunks beside decodes, a prompt at the 
 one past it, in bfloat16, float16 and float32; then a decode step each with its keys split between programs,
 with the fused norm-and-matmul kernels' plain matmuls, and with programmatic dependent launch (`pdl`) and
 without. The steps run with the default layer ops (`NORM_LINEAR_CONFIG`: the norms and matmuls apart) and again
-with the fused norm-and-matmul kernels, which a GPU check's sweep applies where they win. The JIT specializes each
+with the fused norm-and-matmul kernels, which a GPU check's sweep applies where they win, and (from sm_90) with
+the small kernels' programmatic dependent launch the other way (`SMALL_OPS_PDL`). The JIT specializes each
 launch on its values (an integer's divisibility by 16, a 1), so the step shapes are chosen to reach every class:
 1, 3, 16, 40, 256 rows; and the automatic splits of a decode step are counted for an H100's or H200's 132 SMs
 (`triton_attention.META_SM_COUNT`): at SmolLM2-135M's 3 KV heads 16 at 1 and 3 sequences, 5 at 16, 2 at 40,
@@ -76,13 +77,17 @@ def _step(model: LlamaForCausalLM, attn: TritonPagedAttention, caches: list, new
 
 
 @contextlib.contextmanager
-def _configs(decode: triton_attention.LaunchConfig, linear: triton_linear.LinearConfig | None) -> Iterator[None]:
-    saved = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
+def _configs(decode: triton_attention.LaunchConfig, linear: triton_linear.LinearConfig | None,
+             small_pdl: bool | None = None) -> Iterator[None]:
+    """The decode attention's and the norm-and-matmul kernels' configs, and (unless None) `SMALL_OPS_PDL`."""
+    saved = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG, triton_linear.SMALL_OPS_PDL
     triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG = decode, linear
+    if small_pdl is not None:
+        triton_linear.SMALL_OPS_PDL = small_pdl
     try:
         yield
     finally:
-        triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG = saved
+        triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG, triton_linear.SMALL_OPS_PDL = saved
 
 
 def _meta_caches(model: LlamaForCausalLM, dtype: torch.dtype) -> list:
@@ -97,23 +102,29 @@ def engine_variants(shapes: tuple[str, ...] = tuple(SHAPES), dtypes: tuple[torch
     programmatic dependent launch only with `pdl` (a GPU from sm_90: `triton_linear.pdl_launch`)."""
     attn = TritonPagedAttention("meta")
     decode, linear = triton_attention.DECODE_CONFIG, triton_linear.NORM_LINEAR_CONFIG
+    small = triton_linear.SMALL_OPS_PDL and pdl
     if not pdl:  # what a GPU without it launches (`triton_linear.pdl_launch`)
         decode = dataclasses.replace(decode, pdl=False)
         linear = linear and dataclasses.replace(linear, pdl=False)
     fused = linear or triton_linear.LinearConfig(pdl=decode.pdl)
     # every step with the default's layer ops, and with the fused kernels where the default has the norms and
-    # matmuls apart (a GPU check's sweep applies them where they win); the other way at one step
-    mains = [(decode, linear)] + ([(decode, fused)] if linear is None else [])
-    others = [(dataclasses.replace(decode, num_splits=4), linear),
-              (decode, dataclasses.replace(fused, plain_matmuls=True))]
+    # matmuls apart (a GPU check's sweep applies them where they win); the other way at one step. With `pdl`
+    # every step again with the small kernels' programmatic dependent launch the other way (the linear sweep
+    # times both and may apply either)
+    mains = [(decode, linear, small)] + ([(decode, fused, small)] if linear is None else [])
+    if pdl:
+        mains.append((decode, linear, not small))
+    others = [(dataclasses.replace(decode, num_splits=4), linear, small),
+              (decode, dataclasses.replace(fused, plain_matmuls=True), small)]
     if linear is not None:
-        others.append((decode, None))
+        others.append((decode, None, small))
     if pdl:
         # with programmatic dependent launch and without (the GPU check's sweeps time both): every fused kernel,
         # split or not
-        others += [(dataclasses.replace(decode, pdl=not decode.pdl), dataclasses.replace(fused, pdl=not fused.pdl)),
+        others += [(dataclasses.replace(decode, pdl=not decode.pdl), dataclasses.replace(fused, pdl=not fused.pdl),
+                    small),
                    (dataclasses.replace(decode, num_splits=4, pdl=True),
-                    dataclasses.replace(fused, plain_matmuls=True, pdl=True))]
+                    dataclasses.replace(fused, plain_matmuls=True, pdl=True), small)]
     with record() as seen:
         for shape in shapes:
             for dtype in dtypes:

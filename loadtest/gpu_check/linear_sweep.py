@@ -12,8 +12,10 @@ grid, whose outputs it checks against the separate kernels', then at one row for
 The fastest config at the batch, if it beats the separate kernels by `APPLY_GAIN`, is set as
 `NORM_LINEAR_CONFIG` for the sections after it; if none does, the separate kernels are (None). Then the config
 applied, and the fastest with o_proj and down in the kernel, each with programmatic dependent launch and
-without (`_pdl`): the fastest of those is applied if it beats the applied config. The JSON says which the
-throughput section ran."""
+without (`_pdl`): the fastest of those is applied if it beats the applied config. Last the separate kernels
+with their small kernels (norms, rotary with the K/V store, SiLU-and-mul) launched with programmatic dependent
+launch and without (`_small_pdl`, `triton_linear.SMALL_OPS_PDL`): the other way than the default is applied
+where the separate kernels are and it wins by `PDL_GAIN`. The JSON says which the throughput section ran."""
 
 from __future__ import annotations
 
@@ -135,6 +137,35 @@ def _pdl(plan: Plan, attn, ops, configs: list, shape: tuple, layers: int, device
     return result
 
 
+def _small_pdl(plan: Plan, attn, ops, shape: tuple, layers: int, device: torch.device, repeats: int,
+               apply: bool) -> dict:
+    """The separate kernels' layers at the batch with their small kernels launched with programmatic dependent
+    launch (`triton_linear.SMALL_OPS_PDL`: each one's programs start while the kernel before ends, then wait
+    for it) and without. The outputs must be the same to the bit. The other way than the default is kept for
+    the sections after if `PDL_GAIN` faster and `apply` (the separate kernels are what they run)."""
+    from kernels import triton_linear
+
+    saved = triton_linear.NORM_LINEAR_CONFIG, triton_linear.SMALL_OPS_PDL
+    result: dict = {"default": saved[1], "applied": False, "pdl": saved[1], "ok": True}
+    a = _inputs(plan.batch, shape, layers, device)
+    try:
+        triton_linear.NORM_LINEAR_CONFIG, triton_linear.SMALL_OPS_PDL = None, False
+        off_s, reference = time_captured(lambda: _layers(attn, ops, a), device, repeats)
+        triton_linear.SMALL_OPS_PDL = True
+        on_s, outs = time_captured(lambda: _layers(attn, ops, a), device, repeats)
+        diff = max_abs_diff(outs, reference)
+    except Exception as e:  # a launch the driver refuses, a capture that fails
+        return result | {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    finally:
+        triton_linear.NORM_LINEAR_CONFIG, triton_linear.SMALL_OPS_PDL = saved
+    result |= {"us": off_s * 1e6, "pdl_us": on_s * 1e6, "max_abs_diff": diff, "ok": diff == 0.0}
+    faster = True if on_s * PDL_GAIN <= off_s else False if off_s * PDL_GAIN <= on_s else saved[1]
+    if result["ok"] and apply and faster != saved[1] and not plan.dry_run:
+        triton_linear.SMALL_OPS_PDL = faster
+        result |= {"applied": True, "pdl": faster}
+    return result
+
+
 def sweep(plan: Plan, repeats: int = 50) -> dict:
     """Per row count: the separate kernels' time per step (all layers' two ops), and each config's with its
     largest relative difference from them. Applies the fastest at the batch (see the module docstring)."""
@@ -194,9 +225,10 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
         applied = triton_linear.LinearConfig(**pdl["choice"])
     if not plan.dry_run:
         triton_linear.NORM_LINEAR_CONFIG = applied
+    small_pdl = _small_pdl(plan, attn, ops, shape, layers, device, repeats, apply=applied is None)
     passed = (all(r.get("ok") or "error" in r for rows in by_rows.values() for r in rows["configs"]) and bool(good)
-              and pdl["ok"])
-    return {"passed": passed, "layers": layers, "pdl": pdl,
+              and pdl["ok"] and small_pdl["ok"])
+    return {"passed": passed, "layers": layers, "pdl": pdl, "small_ops_pdl": small_pdl,
             "shape": dict(zip(("hidden", "heads_kv_heads_head_dim", "intermediate"), shape)),
             "default": None if default is None else dataclasses.asdict(default), "best_at_batch": best,
             "applied": "separate kernels" if applied is None else dataclasses.asdict(applied),

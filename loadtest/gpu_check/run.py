@@ -311,6 +311,14 @@ def summary(report: dict) -> str:
                      f"fused {best}")
     if ls.get("applied") and not report["mode"] == "dry-run":
         lines.append(f"  fused norm+matmul config applied for the sections after: {ls['applied']}")
+    small = ls.get("small_ops_pdl", {})
+    if small.get("pdl_us"):
+        lines.append(f"  separate kernels, the small ones with programmatic dependent launch: "
+                     f"{small['pdl_us']:.0f} us, without {small['us']:.0f} us, "
+                     f"outputs {'equal' if small['ok'] else 'DIFFER'}"
+                     + (f" (applied: {'with' if small['pdl'] else 'without'})" if small.get("applied") else ""))
+    elif small.get("error"):
+        lines.append(f"  separate kernels, the small ones with programmatic dependent launch: {small['error'][:100]}")
     tp = report["checks"].get("throughput", {})
     for kind in ("graphs", "eager", "graphs_in_turn", "graphs_outputs_in_step", "graphs_speculating",
                  "graphs_drafting_always", "graphs_again"):

@@ -81,6 +81,13 @@ def _decode_config() -> dict:
     return dataclasses.asdict(ta.DECODE_CONFIG)
 
 
+def _small_ops_pdl() -> bool:
+    """Whether the layers' small kernels launch with programmatic dependent launch (`SMALL_OPS_PDL`)."""
+    from kernels import triton_linear
+
+    return triton_linear.SMALL_OPS_PDL
+
+
 def _norm_linear_config() -> dict | None:
     """The fused norm-and-matmul's config the engine runs with (None: the separate kernels)."""
     from kernels import triton_linear
@@ -120,7 +127,8 @@ def batch_throughput(plan: Plan, model: str, vocab: int, graphs: bool, bandwidth
                 "kept_drafts": sched.num_accepted_tokens - drafted[1]}
     result = {"graphs": graphs, "overlap_outputs": engine.overlap_outputs, "overlap_as_configured": by_default,
               "async_scheduling": engine.async_scheduling, "decode_attention_config": _decode_config(),
-              "norm_linear_config": _norm_linear_config(), "num_speculative_tokens": speculative_tokens,
+              "norm_linear_config": _norm_linear_config(), "small_ops_pdl": _small_ops_pdl(),
+              "num_speculative_tokens": speculative_tokens,
               "speculative_disable_by_batch_size": sched.config.speculative_disable_by_batch_size,
               "requests": plan.batch, "prompt_len": plan.prompt_len, "output_len": plan.output_len,
               "output_tok_s": run["output_tokens"] / run["wall_s"], **run, "decode_only_steps": len(steps),

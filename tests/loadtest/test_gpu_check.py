@@ -104,6 +104,10 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert [r["config"]["plain_matmuls"] for r in pdl["configs"]] == [False, True] and not pdl["applied"]
     assert all(r["ok"] and r["max_abs_diff"] == 0 and r["pdl_us"] > 0 for r in pdl["configs"])
     assert pdl["choice"] == dataclasses.asdict(LinearConfig()) and linear["applied"] == "separate kernels"
+    # the separate kernels' small ones with programmatic dependent launch and without: the same bits
+    small = linear["small_ops_pdl"]
+    assert small["ok"] and small["max_abs_diff"] == 0 and small["us"] > 0 and small["pdl_us"] > 0
+    assert not small["applied"] and small["pdl"] is False is small["default"]
     tp = checks["throughput"]
     assert [tp["batch"][k]["async_scheduling"] for k in ("graphs", "eager", "graphs_in_turn",
                                                         "graphs_outputs_in_step")] == [True, True, False, False]
@@ -124,6 +128,7 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert again["async_scheduling"] and again["output_tokens"] == again["requests"] * again["output_len"]
     assert tp["batch"]["graphs"]["decode_attention_config"] == sweep["default"]
     assert tp["batch"]["graphs"]["norm_linear_config"] == linear["default"]  # the dry run applies neither
+    assert tp["batch"]["graphs"]["small_ops_pdl"] is False
     assert not tp["targets_applied"] and set(tp["targets"]) == {"decode_roofline_fraction_with_graphs",
                                                                  "batch1_graphs_over_eager"}
     for kind in ("graphs", "eager"):

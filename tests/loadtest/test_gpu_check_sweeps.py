@@ -39,6 +39,53 @@ def test_the_linear_sweeps_pdl_ab_applies_the_fastest_only_past_its_gain(monkeyp
     assert not got["ok"] and not got["applied"] and got["configs"][0]["max_abs_diff"] == 1.0
 
 
+def test_the_linear_sweeps_small_kernels_pdl_ab_applies_the_other_way_only_past_its_gain(monkeypatch):
+    """`linear_sweep._small_pdl` on a GPU (times given here): the separate kernels' layers with their small
+    kernels launched without programmatic dependent launch, then with; the other way than the default is set
+    for the sections after when it wins by `PDL_GAIN` and the separate kernels are what they run; outputs that
+    differ change nothing. The fused kernels' config is None while it times, and put back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kernels import triton_linear
+    from kernels.triton_linear import LinearConfig
+    from loadtest.gpu_check import linear_sweep
+
+    assert triton_linear.SMALL_OPS_PDL is False
+    plan = SimpleNamespace(batch=4, dry_run=False)
+    monkeypatch.setattr(linear_sweep, "_inputs", lambda *a, **k: {})
+    monkeypatch.setattr(linear_sweep, "_layers", lambda attn, ops, a: [])
+    seen: list = []
+
+    def ab(times, outputs=None, apply=True, default=False, fused=None):
+        monkeypatch.setattr(triton_linear, "SMALL_OPS_PDL", default)
+        monkeypatch.setattr(triton_linear, "NORM_LINEAR_CONFIG", fused)
+        seconds, outs = iter(times), iter(outputs or [torch.zeros(2)] * len(times))
+        seen.clear()
+
+        def timed(fn, device, repeats):
+            seen.append((triton_linear.SMALL_OPS_PDL, triton_linear.NORM_LINEAR_CONFIG))
+            return next(seconds), [next(outs)]
+
+        monkeypatch.setattr(linear_sweep, "time_captured", timed)
+        got = linear_sweep._small_pdl(plan, None, None, (), 2, torch.device("cpu"), 1, apply)
+        assert triton_linear.NORM_LINEAR_CONFIG is fused
+        return got
+
+    got = ab([100e-6, 99e-6])  # within the gain: as it was
+    assert seen == [(False, None), (True, None)] and got["ok"] and not got["applied"]
+    assert triton_linear.SMALL_OPS_PDL is False and got["us"] == 100 and got["pdl_us"] == 99
+    got = ab([100e-6, 90e-6])
+    assert got["applied"] and got["pdl"] is True and triton_linear.SMALL_OPS_PDL is True
+    got = ab([90e-6, 100e-6], default=True)  # the other direction
+    assert got["applied"] and got["pdl"] is False and triton_linear.SMALL_OPS_PDL is False
+    got = ab([100e-6, 90e-6], apply=False, fused=LinearConfig())  # the fused kernels applied: measured only
+    assert seen == [(False, None), (True, None)] and not got["applied"] and triton_linear.SMALL_OPS_PDL is False
+    got = ab([100e-6, 50e-6], [torch.zeros(2), torch.ones(2)])  # outputs differ
+    assert not got["ok"] and not got["applied"] and triton_linear.SMALL_OPS_PDL is False
+
+
 def test_the_attention_sweeps_ab_keeps_the_default_unless_the_other_way_wins_by_its_gain(monkeypatch):
     """`attention_sweep._pdl` and `_one_sequence` on a GPU (times given here): the decode default (programmatic
     dependent launch, automatic splits) stays unless the other way is faster by the gain; then that way is set

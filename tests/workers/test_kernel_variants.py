@@ -83,7 +83,8 @@ SCRIPT = textwrap.dedent('''
                           decode_constexprs={names[i]: v for i, v in decode[0].constexprs},
                           pipelined="async_copy_global_to_local" in ttgir,
                           kernels=sorted({v.name for v in seen}),
-                          pdl=sorted({v.name for v in seen if pdl_on(v)}))))
+                          pdl=sorted({v.name for v in seen if pdl_on(v)}),
+                          pdl_off=sorted({v.name for v in seen if not pdl_on(v)}))))
 ''')
 
 
@@ -110,9 +111,12 @@ def test_variants_are_specialized_as_the_jit_does(tmp_path):
     assert out["decode_constexprs"]["num_splits"] == 1 and out["decode_constexprs"]["ONE_QUERY"] is True
     assert out["pipelined"]
     assert set(out["kernels"]) == KERNELS
-    # launched with programmatic dependent launch, and compiled to wait for the kernel before: the fused ones
-    assert out["pdl"] == ["_combine_splits_kernel", "_norm_linear_kernel", "_norm_qkv_rope_store_kernel",
-                          "_paged_attention_kernel"]
+    # launched with programmatic dependent launch, and compiled to wait for the kernel before: the fused ones,
+    # and (`SMALL_OPS_PDL`, which the linear sweep may apply) the small ones beside cuBLAS's matmuls, both ways
+    small = ["_rms_norm_kernel", "_rope_store_kv_kernel", "_silu_and_mul_kernel"]
+    assert out["pdl"] == sorted(["_combine_splits_kernel", "_norm_linear_kernel", "_norm_qkv_rope_store_kernel",
+                                 "_paged_attention_kernel", *small])
+    assert set(small) <= set(out["pdl_off"])
 
 
 SAME_KEY = textwrap.dedent("""
