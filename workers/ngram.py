@@ -56,7 +56,7 @@ def propose(tokens: list[int] | np.ndarray, k: int, max_n: int, min_n: int) -> l
         return []
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens, dtype=np.int64)
     last = total - 1
-    ends = np.flatnonzero(arr[:last] == arr[last])
+    ends = (arr[:last] == arr[last]).nonzero()[0]
     if not ends.size:
         return []
     top, n = min(max_n, last), 1  # every place in `ends` matches the last n tokens

@@ -56,6 +56,7 @@ class Request:
     spec_judged: float = 0.0
     spec_skipped: int = 0  # steps since it last drafted for want of a good record
     token_array: object | None = None  # `ngram.TokenArray` of `all_token_ids`, once it has drafted
+    may_draft: bool | None = None  # `Scheduler._may_speculate`'s part that never changes, once asked
     # how it samples, once that no longer changes from step to step (`workers/step_inputs.py`)
     sample_spec: object | None = None
     # what may stop it, set by `Scheduler.add_request` so that a step checks only the tokens that may: the token

@@ -205,11 +205,16 @@ class Scheduler:
     @staticmethod
     def _may_speculate(req: Request) -> bool:
         """Greedy requests whose every next token depends only on the logits: no logprobs, penalties, bias,
-        bans, grammar or stop strings (those are decided token by token), and not a prefill replica's."""
+        bans, grammar or stop strings (those are decided token by token), past `min_tokens`, and not a prefill
+        replica's. All but `min_tokens` is fixed for a request's life: decided once (`Request.may_draft`)."""
         p = req.sampling_params
-        return (p.greedy and p.logprobs is None and p.prompt_logprobs is None and not p.adjusts_logits
+        fixed = req.may_draft
+        if fixed is None:
+            fixed = req.may_draft = bool(
+                p.greedy and p.logprobs is None and p.prompt_logprobs is None and not p.adjusts_logits
                 and not p.stop_strings and p.structured_outputs is None and not req.bad_words_token_ids
-                and req.num_output_tokens >= p.min_tokens and not req.hold_kv)
+                and not req.hold_kv)
+        return fixed and (not p.min_tokens or req.num_output_tokens >= p.min_tokens)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for `req`, no more than it may still generate (its last token's successor is the

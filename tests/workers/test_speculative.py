@@ -90,6 +90,32 @@ def test_propose_finds_the_latest_longest_earlier_suffix(vocab):
         assert many > 100  # the numpy path ran
 
 
+def test_which_requests_may_draft_is_decided_once_but_min_tokens_each_step():
+    """`Scheduler._may_speculate`: what never changes in a request's life (greedy, no logprobs, penalties, stop
+    strings, bad words, KV hand-off) is decided on the first ask and kept (`Request.may_draft`); `min_tokens`
+    is checked each step as the output grows."""
+    from workers.request import Request
+    from workers.scheduler import Scheduler
+
+    def request(hold_kv: bool = False, **params) -> Request:
+        r = Request("r", [1, 2, 3], SamplingParams(**{"temperature": 0, "max_tokens": 9, **params}), 9,
+                    hold_kv=hold_kv)
+        r.all_token_ids = [1, 2, 3]
+        return r
+
+    r = request(min_tokens=2)
+    verdicts = []
+    for token in (7, 8, 9):
+        verdicts.append(Scheduler._may_speculate(r))
+        r.all_token_ids.append(token)
+    assert verdicts == [False, False, True] and r.may_draft is True  # past min_tokens once 2 were made
+    for r in (request(logprobs=1), request(stop=["x"]), request(hold_kv=True), request(temperature=0.7)):
+        assert not Scheduler._may_speculate(r) and r.may_draft is False
+    r = request()
+    r.may_draft = False  # decided before: not asked again
+    assert not Scheduler._may_speculate(r)
+
+
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
     out = SampleOutput([10, 11, 99, 12, 5, 20, 21], [None] * 7)
     folded = accept_drafts(out, ["a", "a", "a", "a", "b", "c", "c"], [[10, 11, 13], [], [20]])
