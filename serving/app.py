@@ -68,8 +68,7 @@ class OpenAIIngress:
 
             self.local = EngineWorker(asdict(self.config.engine), self.config.max_waiting_requests,
                                       max_failed_steps=self.config.max_failed_steps,
-                                      drain_timeout_s=self.config.drain_timeout_s,
-                                      engine_process=self.config.engine_process)
+                                      drain_timeout_s=self.config.drain_timeout_s)
             self.engine = LocalEngineClient(self.local, self.config.replica_wait_timeout_s, self.config.drain_timeout_s)
             self.workers = {}
         else:
@@ -382,12 +381,11 @@ def build_app(args: dict[str, Any] | AppConfig | None = None):
     if not config.disaggregate:
         worker = worker_deployment(WORKER_DEPLOYMENT).options(**config.worker_deployment_options()).bind(
             asdict(config.engine), config.max_waiting_requests, max_failed_steps=config.max_failed_steps,
-            drain_timeout_s=config.drain_timeout_s, engine_process=config.engine_process)
+            drain_timeout_s=config.drain_timeout_s)
         return ingress.bind(worker, config.model_dump(mode="python"))
     pools = {}
     for pool, name in (("prefill", PREFILL_DEPLOYMENT), ("decode", DECODE_DEPLOYMENT)):
         pools[pool] = worker_deployment(name).options(**config.pool_deployment_options(pool)).bind(
             asdict(config.pool_engine(pool)), config.max_waiting_requests, pool, config.kv_transport, config.kv_lease_s,
-            config.kv_fetch_delay_s, max_failed_steps=config.max_failed_steps, drain_timeout_s=config.drain_timeout_s,
-            engine_process=config.engine_process)
+            config.kv_fetch_delay_s, max_failed_steps=config.max_failed_steps, drain_timeout_s=config.drain_timeout_s)
     return ingress.bind(pools["decode"], config.model_dump(mode="python"), pools["prefill"])

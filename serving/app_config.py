@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from serving.chat import load_chat_template
-from workers.config import ENGINE_PROCESS_WITH_TP, EngineConfig
+from workers.config import EngineConfig
 from workers.replica_drain import DRAIN_POLL_S
 
 
@@ -61,9 +61,6 @@ class AppConfig(BaseModel):
                                            "process, so a step's tokens reach the client without a message between "
                                            "processes; default: on when the app has one engine replica (fixed, not "
                                            "disaggregated, no tensor parallelism), which is when it can.")
-    engine_process: bool = Field(False, description="Run each engine in a process of its own beside its replica's "
-                                 "(vLLM's engine core process), so the replica's HTTP and streaming Python and the "
-                                 "engine's steps do not share one interpreter lock.")
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
     disaggregate: bool = Field(False, description="Run separate prefill and decode pools that hand off KV blocks.")
     prefill_replicas: int = Field(1, ge=1, description="Disaggregated: prefill replicas (autoscaling lower bound).")
@@ -116,13 +113,6 @@ class AppConfig(BaseModel):
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
-        return self
-
-    @model_validator(mode="after")
-    def _check_engine_process(self):
-        engines = [self.pool_engine(p) for p in ("prefill", "decode")] if self.disaggregate else [self.engine]
-        if self.engine_process and any(e.tensor_parallel_size > 1 for e in engines):
-            raise ValueError(ENGINE_PROCESS_WITH_TP)
         return self
 
     @model_validator(mode="after")

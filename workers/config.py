@@ -152,9 +152,3 @@ def check_async_speculation(async_scheduling: bool | None, num_speculative_token
         raise ValueError("async_scheduling runs steps ahead only when they have no drafts: with speculation "
                          "(num_speculative_tokens), set speculative_disable_by_batch_size (steps of more "
                          "requests then run ahead), or num_speculative_tokens to 0, or async_scheduling off")
-
-
-# `engine_process` (the replica's option, workers/engine_process.py) needs the model in the engine's process
-ENGINE_PROCESS_WITH_TP = ("engine_process cannot be combined with tensor_parallel_size > 1: the ranks are Ray actors "
-                          "in the replica's placement group, which only the replica's own process can reach (and "
-                          "they already run the model outside it)")

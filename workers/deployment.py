@@ -21,11 +21,10 @@ import torch
 from ray import serve
 
 from workers.admission import RETRY_AFTER_S, AdmissionPolicy, ReplicaLoad, ShedReason
-from workers.config import ENGINE_PROCESS_WITH_TP, EngineConfig
+from workers.config import EngineConfig
 from workers.engine import Engine, EngineStats, KVImport
 from workers.engine_loop import EngineLoop
-from workers.engine_process import EngineProcess
-from workers.kv_transfer import KVTransferMeta, make_receiver, make_sender, resolve_transport
+from workers.kv_transfer import KVLayout, KVTransferMeta, make_receiver, make_sender, resolve_transport
 from workers.messages import Accepted, GenerateRequest, ModelInfo, Rejected, RequestError, StepBatch
 from workers.metrics import EngineMetrics
 from workers.outputs import RequestOutput
@@ -73,8 +72,7 @@ class EngineWorker:
 
     def __init__(self, engine_config: EngineConfig | dict | None = None, max_waiting_requests: int | None = None,
                  role: str = "colocated", kv_transport: str = "auto", kv_lease_s: float = 30.0,
-                 kv_fetch_delay_s: float = 0.0, max_failed_steps: int = 5, drain_timeout_s: float = 30.0,
-                 engine_process: bool = False) -> None:
+                 kv_fetch_delay_s: float = 0.0, max_failed_steps: int = 5, drain_timeout_s: float = 30.0) -> None:
         self._startup = StartupTimes(_process_start_time(), time.time())
         if role not in ("colocated", "prefill", "decode"):
             raise ValueError(f"role must be colocated, prefill or decode, got {role!r}")
@@ -83,8 +81,6 @@ class EngineWorker:
         self.max_failed_steps, self.drain_timeout_s = max_failed_steps, drain_timeout_s
         if isinstance(engine_config, dict) or engine_config is None:
             engine_config = EngineConfig(**(engine_config or {}))
-        if engine_process and engine_config.tensor_parallel_size > 1:
-            raise ValueError(ENGINE_PROCESS_WITH_TP)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit tests)
@@ -96,19 +92,15 @@ class EngineWorker:
         self._aio: asyncio.AbstractEventLoop | None = None
         self.role, self.kv_lease_s, self.kv_fetch_delay_s = role, kv_lease_s, kv_fetch_delay_s
         self._sender = self._receiver = None
-        # the engine is built on the loop's thread, the one that runs its every step (see workers/engine_loop.py);
-        # with `engine_process`, that loop runs in a child process (workers/engine_process.py)
-        if engine_process:
-            self.loop = EngineProcess(engine_config, self._on_step, self._on_engine_exit)
-        else:
-            self.loop = EngineLoop(partial(Engine, engine_config), self._on_step)
+        # the engine is built on the loop's thread, the one that runs its every step (see workers/engine_loop.py)
+        self.loop = EngineLoop(partial(Engine, engine_config), self._on_step)
         self.loop.start()
-        self.engine = getattr(self.loop, "engine", None)  # None when it runs in a child process
-        self.facts = self.loop.facts
-        self.layout = self.facts.layout
-        self.transport = resolve_transport(kv_transport, self.facts.device)
+        self.engine = self.loop.engine
+        self.layout = KVLayout.of(self.engine.runner.kv_cache, self.engine.model_path)
+        device = self.engine.runner.kv_cache.device
+        self.transport = resolve_transport(kv_transport, device)
         self._sender = make_sender(self.transport) if role == "prefill" else None
-        self._receiver = make_receiver(self.transport, self.facts.device) if role == "decode" else None
+        self._receiver = make_receiver(self.transport, device) if role == "decode" else None
         self._leases: dict[str, asyncio.TimerHandle] = {}
         self._waiting_for_kv = 0
         self._stop_flag = serve_stop_flag()
@@ -132,7 +124,7 @@ class EngineWorker:
             yield Rejected(400, f"replica {self.replica_id} is a {self.role} replica; only a prefill replica "
                                 "holds KV for a hand-off (hold_kv)")
             return
-        lost = self.loop.unavailable
+        lost = self.engine.runner.unavailable
         if lost is not None:
             yield Rejected(503, f"replica {self.replica_id} cannot run its model ({lost}); it is being replaced, "
                                 "retry", "service_unavailable", RETRY_AFTER_S)
@@ -176,7 +168,7 @@ class EngineWorker:
     def load(self) -> ReplicaLoad:
         """This replica's load as admission reads it: the engine's last step plus what arrived since."""
         stats, arrived = self.loop.load()
-        block_size, num_blocks = self.facts.model_info.block_size, self.facts.num_kv_blocks
+        block_size, num_blocks = self.engine.config.block_size, self.engine.num_kv_blocks
         free_blocks = round((1.0 - stats.kv_cache_usage) * num_blocks)
         return ReplicaLoad(num_running=stats.num_running,
                            num_waiting=stats.num_waiting + arrived.num_seqs + self._waiting_for_kv,
@@ -241,7 +233,8 @@ class EngineWorker:
                 del self._subscribers[subscriber_id]
 
     def model_info(self) -> ModelInfo:
-        return self.facts.model_info
+        e = self.engine
+        return ModelInfo(e.model_path, e.max_model_len, e.vocab_size, e.config.block_size, str(e.dtype))
 
     def metrics_text(self, replica_id: str | None = None) -> tuple[str, bytes]:
         """This replica's Prometheus exposition (`replica_id` pins the call, as for `subscribe`)."""
@@ -257,12 +250,10 @@ class EngineWorker:
         """Serve calls this every `health_check_period_s`; three failures in a row and it replaces the
         replica. A stopped engine loop also fails the requests still waiting on it, at once."""
         if not self.loop.is_alive():
-            message = (f"the engine process of replica {self.replica_id} exited (code {self.loop.exit_code})"
-                       if isinstance(self.loop, EngineProcess) else
-                       f"the engine loop of replica {self.replica_id} has stopped")
+            message = f"the engine loop of replica {self.replica_id} has stopped"
             self._fail_in_flight(EngineLoopStopped(message))
             raise EngineLoopStopped(message)
-        await self.loop.check_alive()  # tensor-parallel ranks: a lost one fails the replica
+        await self.engine.runner.check_alive()  # tensor-parallel ranks: a lost one fails the replica
         failed = self.loop.consecutive_failed_steps
         if failed >= self.max_failed_steps:
             raise RuntimeError(f"the last {failed} engine steps of replica {self.replica_id} failed "
@@ -332,13 +323,6 @@ class EngineWorker:
         self.shutdown()
 
     # ---- engine thread -> event loop -----------------------------------------------------------
-
-    def _on_engine_exit(self, code: int | None) -> None:
-        """The engine process ended unasked (`EngineProcess`'s reader thread): its requests fail now, not at
-        the next health check, which reports the replica unhealthy."""
-        error = EngineLoopStopped(f"the engine process of replica {self.replica_id} exited (code {code})")
-        if self._aio is not None:
-            self._aio.call_soon_threadsafe(self._fail_in_flight, error)
 
     def _on_step(self, outputs: list[RequestOutput], errors: dict[str, RequestError], stats: EngineStats,
                  exports: dict[str, torch.Tensor]) -> None:

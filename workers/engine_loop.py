@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine import Engine, EngineStats, KVImport
-from workers.kv_transfer.layout import KVLayout
-from workers.messages import GenerateRequest, ModelInfo, RequestError
+from workers.messages import GenerateRequest, RequestError
 from workers.output_processor import OutputKind
 from workers.outputs import RequestOutput
 
@@ -48,22 +47,6 @@ class Arrivals:
 
     def __add__(self, other: Arrivals) -> Arrivals:
         return Arrivals(self.num_seqs + other.num_seqs, self.num_prompt_tokens + other.num_prompt_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFacts:
-    """What the replica reads of its engine besides steps: fixed once the engine is built."""
-
-    model_info: ModelInfo
-    num_kv_blocks: int
-    layout: KVLayout
-    device: torch.device
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineFacts:
-        e = engine
-        return cls(ModelInfo(e.model_path, e.max_model_len, e.vocab_size, e.config.block_size, str(e.dtype)),
-                   e.num_kv_blocks, KVLayout.of(e.runner.kv_cache, e.model_path), e.runner.kv_cache.device)
 
 
 class EngineLoop:
@@ -95,19 +78,6 @@ class EngineLoop:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
-
-    @property
-    def facts(self) -> EngineFacts:
-        return EngineFacts.of(self.engine)
-
-    @property
-    def unavailable(self) -> str | None:
-        """Why no step can run any more (a lost tensor-parallel rank), else None."""
-        return self.engine.runner.unavailable
-
-    async def check_alive(self) -> None:
-        """The runner's liveness (`ModelRunner.check_alive`: its tensor-parallel ranks)."""
-        await self.engine.runner.check_alive()
 
     def stop(self) -> None:
         self._stopped = True

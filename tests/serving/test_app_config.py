@@ -66,16 +66,3 @@ def test_tensor_parallel_size_gives_the_engine_replica_one_bundle_per_rank():
                    decode_engine={"tensor_parallel_size": 1})  # the KV payload holds all heads: sizes may differ
     assert len(pd.pool_deployment_options("prefill")["placement_group_bundles"]) == 2
     assert "placement_group_bundles" not in pd.pool_deployment_options("decode")
-
-
-def test_engine_process_reaches_every_engine_and_refuses_tensor_parallel_ranks():
-    for options in ({"num_replicas": "2"}, {"disaggregate": "true"}):
-        ingress = build_app(parse_app_args({"engine_process": "true", **options}))._bound_deployment
-        workers = [a._bound_deployment for a in ingress.init_args if hasattr(a, "_bound_deployment")]
-        assert len(workers) == (2 if "disaggregate" in options else 1)
-        assert all(w.init_kwargs["engine_process"] is True for w in workers)
-    for options in ({"engine": EngineConfig(tensor_parallel_size=2)},
-                    {"disaggregate": True, "decode_engine": {"tensor_parallel_size": 2}}):
-        with pytest.raises(ValueError, match="engine_process cannot be combined with tensor_parallel_size > 1"):
-            AppConfig(engine_process=True, **options)
-        AppConfig(**options)  # either alone is fine

@@ -1,7 +1,6 @@
-"""`kvrelay serve --stream-interval 4 --engine-process` end to end: a streamed completion or chat reply
-arrives as its first token, then chunks of 4 tokens, then the rest with the finish reason; the text and the
-usage are those of the same request unstreamed. The app's engine runs in a process of its own beside the
-ingress's replica (`engine_process`)."""
+"""`kvrelay serve --stream-interval 4` end to end: a streamed completion or chat reply arrives as its first
+token, then chunks of 4 tokens, then the rest with the finish reason; the text and the usage are those of the
+same request unstreamed."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def client(deploy_app, tiny_model_dir):
     url = deploy_app("interval", model=tiny_model_dir, served_model_name=MODEL, dtype="float32", num_threads=1,
-                     kv_cache_memory="16MiB", stream_interval=4, engine_process=True)
+                     kv_cache_memory="16MiB", stream_interval=4)
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
@@ -41,11 +40,3 @@ def test_a_streamed_chat_reply_comes_in_chunks_of_the_interval(client):
     assert "".join(contents) == whole.choices[0].message.content
     assert len(contents) <= 4  # not one per token (tokens that decode to no text add no chunk)
     assert chunks[-1].choices[0].finish_reason == "length"
-
-
-def test_the_engine_runs_in_a_child_of_the_apps_replica(client):
-    import psutil
-
-    children = [p for p in psutil.process_iter(["cmdline"]) if "workers.engine_process" in (p.info["cmdline"] or [])]
-    owners = [" ".join(p.parent().cmdline()) for p in children if p.parent() is not None]
-    assert any("ServeReplica:interval:OpenAIIngress" in owner for owner in owners), owners
