@@ -16,12 +16,16 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def _run(plan: Plan, model: str, dtype: str, device: str, backend: str, graphs: bool, prompts,
-         speculative_tokens: int = 0, drafts: dict | None = None, max_num_seqs: int | None = None) -> list[list[int]]:
+         speculative_tokens: int = 0, drafts: dict | None = None, max_num_seqs: int | None = None,
+         async_scheduling: bool | None = None, advanced: dict | None = None) -> list[list[int]]:
     engine = make_engine(plan, model, dtype, device, backend, graphs, max_num_seqs=max_num_seqs or max(len(prompts), 8),
-                         speculative_tokens=speculative_tokens)
+                         speculative_tokens=speculative_tokens, async_scheduling=async_scheduling)
     tokens = generate(engine, prompts, greedy(plan.parity_tokens))
     if drafts is not None:  # speculation's drafts computed and kept
         drafts.update(drafts=engine.scheduler.num_draft_tokens, kept=engine.scheduler.num_accepted_tokens)
+    if advanced is not None:  # decode steps queued ahead whose inputs the device advanced (`DecodeGraphs.advance`)
+        advanced.update(async_scheduling=engine.async_scheduling,
+                        steps=engine.runner.graphs.steps_advanced if engine.runner.graphs is not None else 0)
     del engine
     release_memory()
     return tokens
@@ -38,12 +42,18 @@ def cpu_vs_device(plan: Plan, model: str, vocab: int) -> dict:
 
 
 def graphs_on_vs_off(plan: Plan, model: str, vocab: int, dtype: str = "bfloat16") -> dict:
+    """With graphs the engine's default on a GPU (async scheduling; forced on for the dry run on the CPU) queues
+    each decode step behind the one in flight and, the prompts decoding together, advances its inputs on the
+    device: those tokens against eager steps built on the host. Passes only if some step was advanced."""
     prompts = random_prompts(plan.parity_prompts, plan.parity_prompt_len, vocab, seed=2)
-    on = _run(plan, model, dtype, plan.device, "triton", True, prompts)
+    advanced: dict = {}
+    on = _run(plan, model, dtype, plan.device, "triton", True, prompts,
+              async_scheduling=True if plan.dry_run else None, advanced=advanced)
     off = _run(plan, model, dtype, plan.device, "triton", False, prompts)
     result = compare(on, off)
-    return {"passed": result["all_match"], "dtype": dtype, "prompts": len(prompts),
-            "tokens_per_prompt": plan.parity_tokens, **result}
+    return {"passed": result["all_match"] and advanced["steps"] > 0, "dtype": dtype, "prompts": len(prompts),
+            "tokens_per_prompt": plan.parity_tokens, "async_scheduling": advanced["async_scheduling"],
+            "advanced_steps": advanced["steps"], **result}
 
 
 SPECULATIVE_TOKENS = 4  # the serving default
