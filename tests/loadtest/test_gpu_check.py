@@ -84,7 +84,8 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     for name in ("greedy_cpu_vs_device", "greedy_graphs_on_vs_off"):
         assert checks[name]["identical_fraction"] == 1.0 and checks[name]["all_match"]
     # the graphs' tokens came (in part) from steps whose inputs were advanced on the device, as on a GPU
-    assert checks["greedy_graphs_on_vs_off"]["async_scheduling"] and checks["greedy_graphs_on_vs_off"]["advanced_steps"] > 0
+    parity = checks["greedy_graphs_on_vs_off"]
+    assert parity["async_scheduling"] and parity["advanced_steps"] > 0
     sweep = checks["attention_sweep"]
     assert len(sweep["configs"]) >= 2 and all(r["ok"] and r["us"] > 0 for r in sweep["configs"])
     assert sweep["applied"] is None and sweep["default"] in [r["config"] for r in sweep["configs"]]
