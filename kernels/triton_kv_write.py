@@ -14,7 +14,8 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.triton_layer_ops import rotate_halves, rotate_in_place
-from kernels.triton_linear import dot_mode, launch_fitting, normed_tile, pdl_launch, pdl_start, row_scale
+from kernels.triton_linear import (dot_mode, launch_fitting, normed_tile, pdl_launch, pdl_start, row_scale,
+                                   small_ops_launch)
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -160,7 +161,7 @@ def rope_store_kv(qk: torch.Tensor, value: torch.Tensor, cos_table: torch.Tensor
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), HALF=dim // 2, HEADS_P=triton.next_power_of_2(all_heads),
             HALF_P=triton.next_power_of_2(dim // 2), KV_P=triton.next_power_of_2(num_kv_heads),
-            DIM_P=triton.next_power_of_2(dim), **pdl_launch(triton_linear.SMALL_OPS_PDL, qk.device))
+            DIM_P=triton.next_power_of_2(dim), **small_ops_launch(qk.device))
 
 
 def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -214,4 +215,4 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0), k_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        ROW=row, ROW_P=triton.next_power_of_2(row), **pdl_launch(triton_linear.SMALL_OPS_PDL, key.device))
+        ROW=row, ROW_P=triton.next_power_of_2(row), **small_ops_launch(key.device))

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels import triton_linear
 from kernels.layer_ops import TorchLayerOps
-from kernels.triton_linear import pdl_start
+from kernels.triton_linear import pdl_start, small_ops_launch
 
 
 @triton.jit
@@ -102,12 +102,6 @@ def _silu_and_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_out, n, BLOCK: tl.co
 SILU_BLOCK = 1024
 
 
-def _pdl(device: torch.device) -> dict:
-    """A small kernel's launch arguments: with programmatic dependent launch where `SMALL_OPS_PDL` says and the
-    device has it (`triton_linear.pdl_launch`)."""
-    return triton_linear.pdl_launch(triton_linear.SMALL_OPS_PDL, device)
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """`x` as [rows, width] with unit stride along the width (a copy only if it has none)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -130,7 +124,7 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, x2.stride(0), r2.stride(0), out.stride(0),
                                          total.stride(0), n, eps, HAS_RES=residual is not None, BLOCK=block,
-                                         num_warps=_norm_warps(block), **_pdl(x.device))
+                                         num_warps=_norm_warps(block), **small_ops_launch(x.device))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -156,7 +150,7 @@ def rope_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos
     if tokens:
         _rope_kernel[(tokens,)](x, cos_table, sin_table, positions, x.stride(0), x.stride(1), cos_table.stride(0),
                                 heads, HALF=half, HEADS_P=triton.next_power_of_2(heads),
-                                HALF_P=triton.next_power_of_2(half), **_pdl(x.device))
+                                HALF_P=triton.next_power_of_2(half), **small_ops_launch(x.device))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -166,7 +160,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if g2.shape[0]:
         _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, SILU_BLOCK))](g2, out, g2.stride(0), out.stride(0), n,
                                                                         BLOCK=SILU_BLOCK, num_warps=4,
-                                                                        **_pdl(gate_up.device))
+                                                                        **small_ops_launch(gate_up.device))
     return out.view(*gate_up.shape[:-1], n)
 
 

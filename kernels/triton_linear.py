@@ -234,6 +234,12 @@ NORM_LINEAR_CONFIG: LinearConfig | None = None
 SMALL_OPS_PDL = False
 
 
+def small_ops_launch(device: torch.device) -> dict:
+    """A small layer kernel's launch arguments: with programmatic dependent launch where `SMALL_OPS_PDL` says and
+    the device has it (`pdl_launch`)."""
+    return pdl_launch(SMALL_OPS_PDL, device)
+
+
 def resolve_config(config: LinearConfig | None) -> LinearConfig:
     """`config`, else `NORM_LINEAR_CONFIG`, else the default: what a direct call of the fused kernels launches with."""
     return config or NORM_LINEAR_CONFIG or LinearConfig()
