@@ -236,6 +236,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    runners.sampling_options(args)  # before a tokenizer or a model loads
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {

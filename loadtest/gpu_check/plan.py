@@ -36,6 +36,9 @@ class Plan:
     copy_bytes: int
     # the sweeps' graphs: a step's worth of launches, one per layer, each over its own weights or KV
     sweep_layers: int
+    # the decode profile: steps under torch's profiler, then under Python's (the host's share)
+    profiled_steps: int
+    host_steps: int
 
     @classmethod
     def gpu(cls) -> Plan:
@@ -43,7 +46,7 @@ class Plan:
                    kernel_heads=((9, 3, 64), (8, 1, 128), (4, 4, 64)), kernel_batch=tuple(KERNEL_BATCH_LONG),
                    warmup_tokens=4, parity_prompts=8, parity_prompt_len=32, parity_tokens=24, batch=256,
                    prompt_len=128, output_len=128, batch1_prompt_len=128, batch1_output_len=128, pd_prompt_len=100,
-                   pd_tokens=16, copy_bytes=1 << 30, sweep_layers=30)
+                   pd_tokens=16, copy_bytes=1 << 30, sweep_layers=30, profiled_steps=3, host_steps=10)
 
     @classmethod
     def dry(cls) -> Plan:
@@ -51,4 +54,4 @@ class Plan:
                    kernel_heads=((4, 2, 32),), kernel_batch=tuple(KERNEL_BATCH_DRY), warmup_tokens=1,
                    parity_prompts=2, parity_prompt_len=8, parity_tokens=3, batch=2, prompt_len=8, output_len=3,
                    batch1_prompt_len=8, batch1_output_len=3, pd_prompt_len=10, pd_tokens=2, copy_bytes=1 << 22,
-                   sweep_layers=2)
+                   sweep_layers=2, profiled_steps=1, host_steps=2)

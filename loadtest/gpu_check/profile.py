@@ -11,7 +11,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -20,9 +19,7 @@ from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
 
-PROFILED_STEPS = 3
 TOP_KERNELS = 12
-HOST_STEPS = 10
 TOP_FUNCTIONS = 20
 
 
@@ -33,13 +30,13 @@ def _device_events(prof) -> list:
     return device or [e for e in events if e.cpu_parent is None and not e.name.startswith("ProfilerStep")]
 
 
-def host_profile(engine: Engine) -> dict:
+def host_profile(engine: Engine, num_steps: int) -> dict:
     """Where the host's time goes in a few more steps (Python's profiler; the device work runs meanwhile and
     shows as the wait for the step's sampled ids): the functions with the most time of their own."""
     walls = []
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(HOST_STEPS):
+    for _ in range(num_steps):
         if not engine.has_unfinished_requests():
             break
         t0 = time.perf_counter()
@@ -57,7 +54,7 @@ def host_profile(engine: Engine) -> dict:
 
 def profile_steps(plan: Plan, model: str, vocab: int, batch: int, graphs: bool, host: bool = False) -> dict:
     engine = make_engine(plan, model, "bfloat16", plan.device, "triton", graphs, max_num_seqs=max(batch, 8))
-    params = greedy(plan.output_len + PROFILED_STEPS + HOST_STEPS + 4)  # room for every step here
+    params = greedy(plan.output_len + plan.profiled_steps + plan.host_steps + 4)  # room for every step here
     for i, ids in enumerate(random_prompts(batch, plan.prompt_len, vocab, seed=11)):
         engine.add_request(f"p{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
     warm = 0
@@ -69,7 +66,7 @@ def profile_steps(plan: Plan, model: str, vocab: int, batch: int, graphs: bool, 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     walls = []
     with profile(activities=activities) as prof:
-        for _ in range(PROFILED_STEPS):
+        for _ in range(plan.profiled_steps):
             sync(engine)
             t0 = time.perf_counter()
             engine.step()
@@ -89,7 +86,7 @@ def profile_steps(plan: Plan, model: str, vocab: int, batch: int, graphs: bool, 
                       for name, v in top]}
     result["device_busy_fraction"] = result["device_busy_ms_per_step"] / result["wall_ms_per_step"]
     if host:
-        result["host"] = host_profile(engine)
+        result["host"] = host_profile(engine, plan.host_steps)
     del engine
     release_memory()
     return result

@@ -304,15 +304,20 @@ def test_long_prompt_against_a_url_splits_short_and_long(tmp_path: Path, default
     assert run["extra"]["long"]["completed"] == n_long and run["extra"]["short"]["completed"] == 12 - n_long
 
 
-def test_train_predictor_generates_lengths_fits_and_saves(tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+def test_train_predictor_generates_lengths_fits_and_saves(tiny_model_dir: str, tmp_path: Path, capsys,
+                                                          monkeypatch) -> None:
+    from loadtest import predictor as predictor_module
     from workers.length_predictor import LinearLengthPredictor
 
+    # the random-weight model rarely stops by itself: a lower cap than the workload's 384 keeps the run short
+    monkeypatch.setattr(predictor_module, "POISSON_OUTPUT_CAP", 48)
     out = tmp_path / "pred.json"
     rc = bench.main(["train-predictor", "--model", tiny_model_dir, "--dtype", "float32", "--num-prompts", "110",
                      "--output", str(out)])
     assert rc == 0
     lengths = json.loads((tmp_path / "pred-lengths.json").read_text())
-    assert len(lengths["lengths"]) == 110 and all(1 <= n <= 384 for n in lengths["lengths"])
+    assert len(lengths["lengths"]) == 110 and all(1 <= n <= 48 for n in lengths["lengths"])
+    assert lengths["max_tokens"] == 48
     predictor = LinearLengthPredictor.load(out)
     assert predictor.meta["report"]["num_train"] == 10 and predictor.meta["report"]["num_held_out"] == 100
     assert "| predictor |" in capsys.readouterr().out
