@@ -129,3 +129,10 @@ def main_app_url(deploy_app) -> str:
     from serving_helpers import MAIN_APP_OPTIONS
 
     return deploy_app("main", **MAIN_APP_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def tiny_app_url(deploy_app, tiny_model_dir) -> str:
+    """The tiny random-weight model's app (float32), shared by the tests that drive a server with a load
+    generator and look only at what it measures."""
+    return deploy_app("tiny", model=tiny_model_dir, dtype="float32")

@@ -75,8 +75,9 @@ def test_poisson_offline_engine_times_every_request(tiny_model_dir: str, tmp_pat
     assert_png(tmp_path / f"{next(tmp_path.glob('*.json')).stem}-cdf.png")
 
 
-def test_poisson_and_compare_against_a_real_server(deploy_app, tiny_model_dir: str, tmp_path: Path, capsys) -> None:
-    url = deploy_app("bench", model=tiny_model_dir, dtype="float32")
+def test_poisson_and_compare_against_a_real_server(tiny_app_url: str, tiny_model_dir: str, tmp_path: Path,
+                                                   capsys) -> None:
+    url = tiny_app_url
     runs = []
     for qps, sub in ((30.0, "a"), (60.0, "b")):
         out = tmp_path / sub

@@ -213,8 +213,8 @@ def test_engine_replicas_are_found_by_process_title(tmp_path: Path) -> None:
 
 
 def test_a_short_soak_against_a_real_server_loses_nothing_and_leaves_the_engine_idle(
-        deploy_app, tiny_model_dir: str, tmp_path: Path, capsys) -> None:
-    url = deploy_app("soak-test", model=tiny_model_dir, dtype="float32")
+        tiny_app_url: str, tiny_model_dir: str, tmp_path: Path, capsys) -> None:
+    url = tiny_app_url
     rc = bench.main(["soak", "--url", url, "--tokenizer", tiny_model_dir, "--num-requests", "60", "--concurrency", "8",
                      "--warmup", "4", "--disconnect-fraction", "0.1", "--rss-interval", "1", "--out", str(tmp_path),
                      "--no-progress"])
