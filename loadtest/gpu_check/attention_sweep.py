@@ -144,7 +144,7 @@ def _per_launch(plan: Plan, device: torch.device, launch, config, x: dict,
                 repeats: int) -> tuple[float, list[torch.Tensor]]:
     """Seconds per launch of `config`: `launch`'s step over `x` (one launch per layer) captured in one graph
     and timed over its replays (`time_captured`); and the step's outputs."""
-    seconds, outs = time_captured(lambda: launch(config, x), device, repeats if not plan.dry_run else 1)
+    seconds, outs = time_captured(lambda: launch(config, x), device, repeats)
     return seconds / plan.sweep_layers, outs
 
 

@@ -178,7 +178,6 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     ops, attn = TritonLayerOps(), TritonPagedAttention(device)
     configs = sweep_configs(plan.dry_run)
     default = triton_linear.NORM_LINEAR_CONFIG
-    repeats = repeats if not plan.dry_run else 1
     by_rows = {}
     try:
         for rows in (plan.batch, 1):  # at one row: the default, and the fastest at the batch
