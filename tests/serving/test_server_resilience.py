@@ -197,7 +197,7 @@ def test_autoscaling_adds_a_replica_that_serves(deploy_app):
         return dep.replica_states.get("RUNNING", 0)
 
     assert replicas_running() == 1
-    body = {"model": MODEL, "prompt": "Write a long essay about rivers.", "max_tokens": 64, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Write a long essay about rivers.", "max_tokens": 16, "ignore_eos": True}
 
     async def sustained_load():
         async with aiohttp.ClientSession() as session:
