@@ -18,22 +18,17 @@ import torch
 from workers.cuda_graphs import cuda_capture
 
 
-def time_calls(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Seconds per call of `fn` after one call to warm up: CUDA events around the calls on a GPU."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3 / repeats
-    start_s = time.perf_counter()
+def _time_replays(replay: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Seconds per call of a captured graph's `replay` after one to warm up, with CUDA events around them."""
+    replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start_s) / repeats
+        replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def time_captured(fn: Callable[[], list[torch.Tensor]], device: torch.device,
@@ -46,7 +41,7 @@ def time_captured(fn: Callable[[], list[torch.Tensor]], device: torch.device,
         outs = [o.clone() for o in fn()]
         return time.perf_counter() - start_s, outs
     replay, outs = cuda_capture(fn, None)  # compiled and warmed up off the capture
-    return time_calls(replay, device, repeats), [o.clone() for o in outs]
+    return _time_replays(replay, device, repeats), [o.clone() for o in outs]
 
 
 def max_abs_diff(outs: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
