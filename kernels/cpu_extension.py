@@ -70,6 +70,19 @@ def has_amx_bf16() -> bool:
         return False
 
 
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether this torch's oneDNN runs bfloat16 matmuls natively on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
+    torch's own check). Without it oneDNN refuses to pack a bfloat16 weight, and `F.linear` in bfloat16 falls
+    back to a loop that converts each element: on a 2-core AMD Zen 3 (AVX2 only) 7x slower than float32 at 256
+    rows (docs/benchmarks.md)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return torch.backends.mkldnn.is_available() and check is not None and bool(check())
+    except Exception:
+        return False
+
+
 def require_cpu(*tensors: torch.Tensor) -> None:
     """The compiled kernels read host memory: refuse anything else with an error that says what to use."""
     for t in tensors:

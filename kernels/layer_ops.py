@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.cpu_extension import has_amx_bf16
+from kernels.cpu_extension import has_amx_bf16, onednn_bf16
 
 
 # Every linear layer of SmolLM2-135M's 30 layers in turn, 2 threads, median of 7, four runs on one host
@@ -363,9 +363,10 @@ class CppLayerOps(TorchLayerOps):
 
 
 def packable(w: torch.Tensor) -> bool:
-    """A weight `CppLayerOps.prepack` can pack: a 2-D bfloat16 CPU tensor, with oneDNN in this torch."""
+    """A weight `CppLayerOps.prepack` can pack: a 2-D bfloat16 CPU tensor, with oneDNN's bfloat16 path in this
+    torch and on this CPU."""
     return (w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() > 0
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and onednn_bf16())
 
 
 def linear_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

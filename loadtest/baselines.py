@@ -16,12 +16,15 @@ from loadtest.results import RunResult
 from loadtest.workloads import BenchRequest
 
 
-def load_hf_model(path: str, dtype: str = "bfloat16") -> Any:
-    """Load ``AutoModelForCausalLM`` in eval mode, using every CPU core."""
+def load_hf_model(path: str, dtype: str = "auto") -> Any:
+    """Load ``AutoModelForCausalLM`` in eval mode, using every CPU core, in `dtype` as the engine reads it
+    (`auto`: the engine's choice for this CPU)."""
     from transformers import AutoModelForCausalLM
 
+    from workers.model_loader import resolve_dtype
+
     torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, "cpu"))
     model.eval()
     return model
 

@@ -77,7 +77,8 @@ def _add_common(p: argparse.ArgumentParser, stream_default: bool | None) -> None
                    "(default: the engine's default model / the server's first model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for building prompts (default: --model "
                    "when it is a folder, else the engine's default model)")
-    p.add_argument("--dtype", default="bfloat16", help="weights dtype of local systems")
+    p.add_argument("--dtype", default="auto", help="weights dtype of local systems (auto: the engine's choice for this "
+                   "machine, see `kvrelay serve --help`)")
     p.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine option for `engine` and `server` (repeatable), e.g. max_num_seqs=64")
     p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY") or os.environ.get("OPENAI_API_KEY"),
@@ -159,7 +160,7 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=Path, default=None, help="reuse lengths collected before (JSON) instead of generating")
     p.add_argument("--output", type=Path, default=None, help="predictor JSON (default: loadtest/data/length_predictor.json)")
     p.add_argument("--model", default=None, help="model folder (default: the engine's default model)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
 
     p = sub.add_parser("overhead", help="engine in-process vs `kvrelay serve` on burst and poisson, same run")
     p.add_argument("--workloads", type=_csv, default=["burst", "poisson"], help="burst and/or poisson")
@@ -167,7 +168,7 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
     p.add_argument("--qps", type=float, default=4.0, help="poisson: request rate")
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     p.add_argument("--model", default=None, help="HF model folder (default: engine default)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("results"), help="output folder")
 
     p = sub.add_parser("soak", help="10,000 small mixed requests at a fixed concurrency; nothing lost, nothing left "
@@ -178,7 +179,7 @@ def build_parser(prog: str = "kvrelay bench") -> argparse.ArgumentParser:
                    "(default: the engine's default model / the server's first model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder for building prompts (default: --model when it "
                    "is a folder, else the engine's default model)")
-    p.add_argument("--dtype", default="bfloat16", help="weights dtype of the local server")
+    p.add_argument("--dtype", default="auto", help="weights dtype of the local server")
     p.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="extra engine option for the local server (repeatable), e.g. max_num_seqs=64")
     p.add_argument("--api-key", default=os.environ.get("KVRELAY_API_KEY") or os.environ.get("OPENAI_API_KEY"),

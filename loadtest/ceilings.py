@@ -2,7 +2,8 @@
 of them on any host: the matmul rate at the model's own layer shapes (many rows, the faster of `F.linear` and
 oneDNN's packed weights: the compute roofline; one row,
 over every layer's own weights: the GEMV view of decode), memory read bandwidth, and the 2048³ bf16 matmul
-that earlier notes quote. A few seconds in all on a small model."""
+that earlier notes quote (in float32 on a CPU without a native bfloat16 matmul). A few seconds in all on a small
+model."""
 
 from __future__ import annotations
 
@@ -48,13 +49,16 @@ class Ceilings:
     read_gbs_1_thread: float
     read_gbs_1_thread_median: float
     read_bytes: int
-    reference_gflops: float  # bf16 REFERENCE_SIZE³ matmul, `threads` threads
+    reference_gflops: float  # REFERENCE_SIZE³ matmul in `reference_dtype`, `threads` threads
     reference_gflops_1_thread: float
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     # per model matmul at `rows` rows over weights packed in oneDNN's blocked layout (bfloat16 on a CPU with
     # oneDNN: what the engine's `prepack_weights` reads); `matmul_gflops` is the better of this and F.linear
     matmul_gflops_packed: dict[str, float] = field(default_factory=dict)
+    # bfloat16, the same on every host, but float32 on a CPU without oneDNN's bfloat16 path (AVX2 only), whose
+    # bfloat16 matmul is a scalar loop: ~0.3 GFLOP/s, a minute a call, on a 2-core Zen 3
+    reference_dtype: str = "bfloat16"
 
     @property
     def dtype_bytes(self) -> int:
@@ -154,6 +158,7 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
     import torch
     import torch.nn.functional as F
 
+    from kernels.cpu_extension import onednn_bf16
     from kernels.layer_ops import linear_packed, packable
 
     if rows < 1 or read_bytes < 1 or reference_size < 1:
@@ -187,7 +192,8 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
         layer_flops = sum(m.flops_per_row * m.per_token for m in shape.layer_matmuls)
         layer_seconds = sum(m.flops_per_row * m.per_token / (best[m.name] * 1e9) for m in shape.layer_matmuls)
         gemv_gbs, forward_s = _gemv(shape, uniform, sync, torch_dtype)
-        reference_a, reference_b = (uniform(reference_size, reference_size, dt=torch.bfloat16) for _ in range(2))
+        reference_dtype = torch.bfloat16 if on_cuda or onednn_bf16() else torch.float32
+        reference_a, reference_b = (uniform(reference_size, reference_size, dt=reference_dtype) for _ in range(2))
         reference_flops = 2 * reference_size**3
         reference = _rate(reference_flops, _times(lambda: reference_a @ reference_b, sync, max_reps=5))[0] / 1e9
         buffer = torch.ones(max(1, read_bytes // 4), dtype=torch.float32, device=device)
@@ -205,7 +211,7 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
                     read_gbs=read, read_gbs_median=read_median, read_gbs_1_thread=read_1,
                     read_gbs_1_thread_median=read_1_median, read_bytes=nbytes, reference_gflops=reference,
                     reference_gflops_1_thread=reference_1, seconds=time.perf_counter() - start, notes=notes,
-                    matmul_gflops_packed=packed)
+                    matmul_gflops_packed=packed, reference_dtype=str(reference_dtype).removeprefix("torch."))
 
 
 def _gemv(shape: ModelShape, uniform: Callable[..., Any], sync: Callable[[], None], torch_dtype: Any,

@@ -245,7 +245,7 @@ def ceilings_text(ceilings: dict[str, Any]) -> str:
     rows = [
         [f"matmul at the model's layer shapes, {c['rows']} rows{packed}", f"{c['layer_gflops']:,.0f} GFLOP/s ({per_shape})"],
         [f"LM head matmul, {c['rows']} rows", f"{c['lm_head_gflops']:,.0f} GFLOP/s"],
-        ["bf16 2048³ matmul", f"{c['reference_gflops']:,.0f} GFLOP/s (1 thread {c['reference_gflops_1_thread']:,.0f})"],
+        [f"{c.get('reference_dtype', 'bfloat16')} 2048³ matmul", f"{c['reference_gflops']:,.0f} GFLOP/s (1 thread {c['reference_gflops_1_thread']:,.0f})"],
         ["every matmul at 1 row (GEMV), each layer its own weights",
          f"{c['gemv_forward_ms']:,.1f} ms per token = {c['gemv_tok_s']:,.1f} tok/s (GB/s: {gemv})"],
         ["memory read bandwidth (best / median)", f"{c['read_gbs']:,.1f} / {c['read_gbs_median']:,.1f} GB/s "

@@ -227,13 +227,14 @@ def measure_rooflines(args: argparse.Namespace, payload: dict[str, Any]) -> RunR
 
     from loadtest.ceilings import measure_ceilings
     from loadtest.model_shape import ModelShape
+    from workers.model_loader import dtype_name, resolve_dtype
 
     folder = next((f for f in (args.model, args.tokenizer) if _is_folder(f)), None) or default_model_path()
     shape = ModelShape.from_folder(folder)
     options = dict(args.engine_option)
     device = str(options.get("device", "auto"))
     device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    dtype = dtype_name(resolve_dtype(args.dtype, device))  # the engine's `auto` on this machine
     print(f"measuring this machine's ceilings at {Path(folder).name}'s shapes (--no-ceilings skips) ...", file=sys.stderr)
     ceilings = measure_ceilings(shape, threads=options.get("num_threads") or os.cpu_count(), dtype=dtype, device=device)
     payload.update(ceilings=ceilings.to_json(), model_shape={**dataclasses.asdict(shape), "folder": str(folder)})

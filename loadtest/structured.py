@@ -98,5 +98,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=32, help="tokens each sequence decodes")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the three configurations, interleaved")
     p.add_argument("--model", default=None, help="model folder (default: the engine's default model)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("results"), help="folder for the JSON result")

@@ -145,9 +145,19 @@ class AppConfig(BaseModel):
     def _check_pools(self):
         if not self.disaggregate:
             return self
+        from workers.model_loader import dtype_name, resolve_dtype
+        from workers.sizing import wants_gpus
+
+        def value(engine: EngineConfig, name: str):
+            """`dtype` as each pool's engine will read it: `auto` by its kind of device (a GPU pool's by the CUDA
+            rule even where this process has no GPU; a CPU pool's by this CPU, like the pools' in a cluster)."""
+            if name != "dtype" or engine.dtype != "auto":
+                return getattr(engine, name)
+            return dtype_name(resolve_dtype("auto", "cuda" if wants_gpus(engine.device) else "cpu"))
+
         prefill, decode = self.pool_engine("prefill"), self.pool_engine("decode")
         diffs = [f"{name} {getattr(prefill, name)!r} vs {getattr(decode, name)!r}"
-                 for name in ("model", "dtype", "block_size") if getattr(prefill, name) != getattr(decode, name)]
+                 for name in ("model", "dtype", "block_size") if value(prefill, name) != value(decode, name)]
         if diffs:
             raise ValueError("the prefill and decode pools must agree to hand off KV blocks; they differ in "
                              + ", ".join(diffs))

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.model_loader import resolve_dtype
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in Triton's interpreter on the CPU
 CORPUS = Path(__file__).resolve().parents[1] / "loadtest" / "data" / "corpus.txt"
+# A server app's KV cache in the tests: room for the default model's 8,192 tokens in the dtype `auto` gives this CPU
+# (bfloat16, or float32 on a CPU without oneDNN's bfloat16 path, twice the bytes a token)
+APP_KV_MEMORY = "256MiB" if resolve_dtype("auto", "cpu") == torch.bfloat16 else "512MiB"
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +119,7 @@ def deploy_app(serve_url):
     from serving.ray_cluster import deploy_app as deploy_named
 
     def deploy(name: str, **options) -> str:
-        options.setdefault("kv_cache_memory", "256MiB")
+        options.setdefault("kv_cache_memory", APP_KV_MEMORY)
         # The apps of a whole run share one machine: without the prepacked copies (twice the weights'
         # memory per replica, tested offline) a run on 24 GB stays clear of Ray's memory monitor.
         options.setdefault("prepack_weights", False)

@@ -29,7 +29,9 @@ def _opt(default, help: str):
 @dataclass
 class EngineConfig:
     model: str | None = _opt(None, "Path to a Hugging Face model folder (Llama family); default: SmolLM2-135M-Instruct.")
-    dtype: str = _opt("bfloat16", "Weights and KV cache dtype: auto, bfloat16, float16 or float32.")
+    dtype: str = _opt("auto", "Weights and KV cache dtype: auto, bfloat16, float16 or float32. auto: bfloat16 on a "
+                              "GPU that has it (else float16) and on a CPU whose oneDNN runs it (AVX-512 or AMX), "
+                              "float32 on other CPUs (AVX2 only), where bfloat16 matmuls are several times slower.")
     max_model_len: int | None = _opt(None, "Longest prompt + output in tokens; default: the model's maximum, capped at 8192.")
     max_num_seqs: int = _opt(256, "Most sequences running in one step.")
     max_num_batched_tokens: int = _opt(2048, "Token budget of one step (prefill chunks plus decodes).")
@@ -122,6 +124,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
+        if not isinstance(self.dtype, str) and str(self.dtype) in ("torch.bfloat16", "torch.float16", "torch.float32"):
+            self.dtype = str(self.dtype).removeprefix("torch.")  # a torch dtype, as vLLM takes one too
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.tensor_parallel_size > 1 and self.device.startswith("cuda:"):

@@ -7,6 +7,7 @@ pass, and the output processor owns text, stop strings, logprobs and `RequestOut
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ import torch
 
 from workers.config import EngineConfig, check_async_speculation, default_speculation_limit
 from workers.kv_cache_manager import KVCacheManager
-from workers.model_loader import load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path, weight_files
+from workers.model_loader import (dtype_name, load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path,
+                                  weight_files)
 from workers.model_setup import build_model, kv_blocks, make_runner, profile_kv_budget
 from workers.model_runner import ModelRunner
 from workers.models.llama import LlamaForCausalLM
@@ -27,7 +29,7 @@ from workers.request_queue import make_request_queue
 from workers.run_ahead import InFlight, RunAhead
 from workers.sampling_params import SamplingParams, check_int
 from workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workers.sizing import resolve_device, resolve_max_model_len
+from workers.sizing import dtype_device, resolve_device, resolve_max_model_len
 from workers.step_isolation import IsolatedStep, execute_isolating
 from workers.structured_output import StructuredOutputManager
 
@@ -86,6 +88,8 @@ class _PendingOutputs:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
+        if config.dtype == "auto":  # one concrete dtype for every rank, and for whoever reads the config
+            config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype("auto", dtype_device(config))))
         self.config = config
         bound_onednn_caches()
         torch.set_num_threads(config.num_threads)

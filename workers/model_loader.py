@@ -20,14 +20,39 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The torch dtype of a `dtype` option; `auto` is `auto_dtype(device)`."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16
+        return auto_dtype(torch.device(device))
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """`dtype="auto"`: a 16-bit type where the device computes in it (as vLLM's `auto` picks one), else float32. On
+    CUDA, bfloat16 where the GPU has it (Ampere and later), else float16. On the CPU, bfloat16 where oneDNN runs its
+    matmuls natively (AVX-512 or AMX: `kernels.cpu_extension.onednn_bf16`), else float32: on an AVX2-only CPU a
+    bfloat16 matmul is a scalar loop, several times slower than float32's (docs/benchmarks.md)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():  # an engine whose tensor-parallel ranks hold the GPUs
+            return torch.bfloat16
+        try:
+            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        except TypeError:  # a torch without the keyword
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        from kernels import cpu_extension
+
+        return torch.bfloat16 if cpu_extension.onednn_bf16() else torch.float32
+    return torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The option's name for a torch dtype (`torch.bfloat16` -> "bfloat16")."""
+    return next(name for name, d in _DTYPES.items() if d == dtype)
 
 
 def cache_dir() -> Path:

@@ -40,6 +40,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def wants_gpus(device: str) -> bool:
+    """Whether a `device` option asks for GPUs (`auto`: where this process sees one)."""
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+
+
+def dtype_device(config) -> torch.device:
+    """The kind of device whose `auto` dtype an engine takes (`model_loader.auto_dtype`): its own device, or with
+    tensor parallelism the one its ranks run on (GPUs where `device` asks for them, as `TPModelRunner` does)."""
+    if config.tensor_parallel_size > 1:
+        return torch.device("cuda" if wants_gpus(config.device) else "cpu")
+    return resolve_device(config.device)
+
+
 def gpu_kv_budget(total_bytes: int, free_bytes: int, peak_bytes: int, utilization: float) -> int:
     """Bytes left for the KV cache on a GPU: `utilization` of its memory, less what this engine's weights
     and its largest step took at their peak (profiled), and never more than is free now (another engine

@@ -28,6 +28,7 @@ from workers.model_setup import kv_blocks
 from workers.sampler import SampleOutput
 from workers.scheduler import SchedulerOutput
 from workers.step_inputs import build_step_inputs, sampled_requests
+from workers.sizing import wants_gpus
 from workers.step_isolation import RunnerUnavailable
 from workers.structured_output import StructuredOutputManager
 from workers.tensor_parallel import TPShard
@@ -48,10 +49,6 @@ def _ensure_ray(num_ranks: int) -> None:
              configure_logging=False, num_cpus=None if os.environ.get("RAY_ADDRESS") else max(os.cpu_count() or 1, num_ranks))
 
 
-def _wants_gpus(device: str) -> bool:
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-
-
 class TPModelRunner:
     """The same calls as `ModelRunner` that the engine makes, served by `config.tensor_parallel_size` ranks."""
 
@@ -70,7 +67,7 @@ class TPModelRunner:
         self._released: list[str] = []
         _ensure_ray(size)
         threads = max(1, (config.num_threads or 1) // size)
-        gpus = 1 if _wants_gpus(config.device) else 0
+        gpus = 1 if wants_gpus(config.device) else 0
         group = ray.util.get_current_placement_group()
         actor = ray.remote(TPWorker)
         tag = uuid.uuid4().hex[:8]

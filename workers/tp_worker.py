@@ -28,7 +28,7 @@ class TPWorker:
         self.config, self.model_path, self.max_model_len = config, model_path, max_model_len
         self.rank, self.size = rank, size
         self.device = resolve_device(config.device if config.device in ("auto", "cpu") else "cuda")
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner: ModelRunner | None = None
 
     def address(self) -> tuple[str, int]:

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from compiled_kernels import COMPILED, SKIP_REASON
-from kernels.layer_ops import CppLayerOps, TorchLayerOps, get_layer_ops
+from kernels.layer_ops import CppLayerOps, TorchLayerOps, get_layer_ops, onednn_bf16
 
 if not COMPILED:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 REF, CPP = TorchLayerOps(), CppLayerOps()
 EPS = 1e-5
+# the compiled GEMV needs AVX512-BF16; oneDNN's packed bfloat16 copies need its own bfloat16 path
+needs_gemv = pytest.mark.skipif(CPP._gemv is None, reason="the CPU lacks AVX512-BF16: the GEMV is not built")
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bfloat16 path on this CPU")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, exact: bool = True, steps: int = 1) -> None:
@@ -127,7 +130,9 @@ def test_selection():
         get_layer_ops("nope")
 
 
+@needs_gemv
 @pytest.mark.parametrize("bias", [False, True])
+@needs_onednn_bf16
 def test_prepacked_linear(bias):
     """Past the GEMV's rows a prepacked weight's linear is `F.linear`'s, bit for bit (at these shapes also
     with its rows padded, `test_onednn_rows_are_padded_to_a_bucket`); up to them the GEMV
@@ -156,6 +161,7 @@ def test_prepacked_linear(bias):
     assert ops.prepack([]) == 0 and CppLayerOps().prepack([torch.randn(8, 8)]) == 0
 
 
+@needs_onednn_bf16
 def test_onednn_rows_are_padded_to_a_bucket(monkeypatch):
     """oneDNN compiles a primitive for each row count it meets, so over a prepacked copy the rows go in padded
     with zeros to a multiple of `onednn_row_bucket`, and the caller gets its own rows of that call's output;
@@ -185,6 +191,8 @@ def test_onednn_rows_are_padded_to_a_bucket(monkeypatch):
         ops._ext.linear_onednn(x, packed, b, 0)
 
 
+@needs_gemv
+@needs_onednn_bf16
 def test_prepacked_copies_are_used():
     """The copies, not the plain weight, are what the steps read: zeroing the plain weight after packing
     leaves both a large and a small step's output as they were."""
@@ -226,6 +234,8 @@ def test_amx_check_reads_the_cpu_flags():
     assert has_amx_bf16() == (" amx_bf16" in flags)
 
 
+@needs_gemv
+@needs_onednn_bf16
 def test_vnni_copies_take_rows_up_to_their_own_limit():
     """With VNNI copies the GEMV takes up to `vnni_max_rows` rows (oneDNN's copy above), and so does the
     compiled decode stack; weights without a VNNI copy keep the row-major GEMV's limit."""
@@ -241,3 +251,22 @@ def test_vnni_copies_take_rows_up_to_their_own_limit():
         want = ops._gemv(x, vnni) if rows <= 12 else torch.nn.functional.linear(x, w)
         assert torch.equal(ops.linear(x, w), want)
         assert torch.equal(ops.linear(x, odd), ops._gemv(x, odd) if rows <= 4 else torch.nn.functional.linear(x, odd))
+
+
+def test_no_copies_where_onednn_has_no_bfloat16_path(monkeypatch):
+    """On a CPU where oneDNN refuses bfloat16 (AVX2 only: its reorder raises), nothing is packable: `prepack`
+    makes no copy and returns 0, the automatic choice does not pack, and the linear layers run as before."""
+    from kernels import layer_ops
+    from workers.model_setup import should_prepack
+
+    monkeypatch.setattr(layer_ops, "onednn_bf16", lambda: False)
+    ops = CppLayerOps(gemv_max_rows=4, vnni_max_rows=12)
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
+    assert not layer_ops.packable(w)
+    assert ops.prepack([w]) == 0 and not ops._packed and not ops._vnni
+    assert not should_prepack(None, [w], memory_bytes=2**40, available_bytes=2**40)
+    for rows in (3, 40):
+        x = torch.randn(rows, 32, generator=gen).to(torch.bfloat16)
+        want = ops._gemv(x, w) if ops._gemv is not None and rows <= 4 else torch.nn.functional.linear(x, w)
+        assert torch.equal(ops.linear(x, w), want)

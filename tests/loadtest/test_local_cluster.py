@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, os, sys
 sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+from conftest import APP_KV_MEMORY
 from serving_helpers import http, listener
 from loadtest.overhead import LocalCluster
 
@@ -23,7 +24,7 @@ with LocalCluster(direct_ingress=True) as cluster:
     port = int(cluster.base_url.rsplit(":", 1)[1])
     out["env_inside"] = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS")
     for name in ("first", "second"):  # as a bench run deploys a fresh app per run
-        url = cluster.deploy(name, {"kv_cache_memory": "256MiB", "max_num_seqs": 4, "prepack_weights": False})
+        url = cluster.deploy(name, {"kv_cache_memory": APP_KV_MEMORY, "max_num_seqs": 4, "prepack_weights": False})
         status, body = http("POST", f"{url}/v1/completions", {"model": "kvrelay-bench", "prompt": "Hi", "max_tokens": 2})
         out["apps"].append({"url": url[len(cluster.base_url):], "status": status,
                             "tokens": body["usage"]["completion_tokens"], "listener": listener(port)[1]})

@@ -66,3 +66,20 @@ def test_tensor_parallel_size_gives_the_engine_replica_one_bundle_per_rank():
                    decode_engine={"tensor_parallel_size": 1})  # the KV payload holds all heads: sizes may differ
     assert len(pd.pool_deployment_options("prefill")["placement_group_bundles"]) == 2
     assert "placement_group_bundles" not in pd.pool_deployment_options("decode")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_pools_must_agree_on_the_dtype_auto_resolves_to(native, monkeypatch):
+    """A pool left at `dtype="auto"` agrees with one that names what `auto` gives its kind of device (bfloat16 on
+    a CPU whose oneDNN runs it, float32 on others; bfloat16 for a GPU pool); a pool that names another is refused
+    before anything is deployed, as a differing block size is."""
+    from kernels import cpu_extension
+
+    monkeypatch.setattr(cpu_extension, "onednn_bf16", lambda: native)
+    same, other = ("bfloat16", "float32") if native else ("float32", "bfloat16")
+    AppConfig(disaggregate=True, prefill_engine={"dtype": same})
+    with pytest.raises(ValueError, match=f"must agree .*dtype '{other}' vs 'auto'"):
+        AppConfig(disaggregate=True, prefill_engine={"dtype": other})
+    AppConfig(disaggregate=True, engine=EngineConfig(device="cuda"), decode_engine={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="block_size 32 vs 16"):
+        AppConfig(disaggregate=True, prefill_engine={"block_size": 32})

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import APP_KV_MEMORY
 from serving_helpers import http, listener, sockets_on
 
 from serving import direct_ingress
@@ -309,7 +310,7 @@ def _kvrelay_serve(port: int, *flags: str):
     lines so far). Killed on the way out if still running."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever the console script was installed from
-    proc = subprocess.Popen([str(KVRELAY), "serve", "--port", str(port), "--kv-cache-memory", "256MiB",
+    proc = subprocess.Popen([str(KVRELAY), "serve", "--port", str(port), "--kv-cache-memory", APP_KV_MEMORY,
                              "--max-num-seqs", "8", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, cwd=ROOT)
     try:

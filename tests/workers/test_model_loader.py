@@ -58,3 +58,67 @@ def test_sharded_checkpoint(tmp_path, default_model_dir, make_prompts):
     a = LLM(src, dtype="float32", max_model_len=128, kv_cache_memory="4MiB").generate([prompt], params)
     b = LLM(str(sharded), dtype="float32", max_model_len=128, kv_cache_memory="4MiB").generate([prompt], params)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_the_cpu_is_bfloat16_only_where_onednn_runs_it(native, monkeypatch):
+    """`dtype="auto"` (the default) is bfloat16 on a CPU whose oneDNN has a bfloat16 path (AVX-512, AMX) and
+    float32 on others (AVX2 only), where bfloat16 matmuls are several times slower; explicit names stay."""
+    from kernels import cpu_extension
+    from workers.config import EngineConfig
+    from workers.model_loader import dtype_name, resolve_dtype
+
+    monkeypatch.setattr(cpu_extension, "onednn_bf16", lambda: native)
+    assert EngineConfig().dtype == "auto"
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto") == resolve_dtype("auto", torch.device("cpu"))
+    for name in ("bfloat16", "float16", "float32"):
+        assert dtype_name(resolve_dtype(name, "cpu")) == name
+    assert resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8")
+    with pytest.raises(ValueError, match="dtype must be"):
+        EngineConfig(dtype="fp32")
+    assert EngineConfig(dtype=torch.float16).dtype == "float16"  # a torch dtype, as vLLM takes one
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_dtype_on_cuda_is_bfloat16_where_the_gpu_has_it(bf16, monkeypatch):
+    from workers.model_loader import resolve_dtype
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16 and not including_emulation)
+    assert resolve_dtype("auto", "cuda") == (torch.bfloat16 if bf16 else torch.float16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the ranks hold the GPUs, not this process
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_engine_resolves_auto_once_and_reports_it(native, tiny_model_dir, monkeypatch):
+    """The engine reads `auto` as its device's dtype and keeps the concrete name in its config, so that every
+    tensor-parallel rank and whoever reads the config (the server's logs, the bench's JSON) sees the same."""
+    from kernels import cpu_extension, layer_ops
+    from workers.engine import Engine
+    from workers.sizing import dtype_device
+    from workers.config import EngineConfig
+
+    monkeypatch.setattr(cpu_extension, "onednn_bf16", lambda: native)
+    engine = Engine(model=tiny_model_dir, device="cpu", num_kv_blocks=64, attention_backend="torch")
+    want = torch.bfloat16 if native else torch.float32
+    assert engine.dtype == want and engine.config.dtype == str(want).removeprefix("torch.")
+    assert engine.model.embed_tokens.dtype == want and engine.runner.kv_cache.dtype == want
+    assert dtype_device(EngineConfig(device="cpu", tensor_parallel_size=2)) == torch.device("cpu")
+    assert Engine(model=tiny_model_dir, dtype="float32", num_kv_blocks=64).dtype == torch.float32
+    if not native:
+        # bfloat16 asked for on such a CPU: it builds with the default backends, with no copies to prepack (oneDNN
+        # refuses to pack a bfloat16 weight there: the engine's construction raised before) and gives tokens
+        monkeypatch.setattr(layer_ops, "onednn_bf16", lambda: False)
+        engine = Engine(model=tiny_model_dir, dtype="bfloat16", num_kv_blocks=64, prepack_weights=None)
+        assert engine.dtype == torch.bfloat16 and not getattr(engine.model.ops, "_packed", {})
+        from workers.sampling_params import SamplingParams as Params
+
+        engine.add_request("r", [1, 2, 3], Params(max_tokens=3, temperature=0))
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        assert len(done) == 1 and len(done[0].outputs[0].token_ids) == 3

@@ -13,7 +13,8 @@ from workers.engine import Engine
 from workers.model_setup import should_prepack
 
 
-def test_auto_packs_when_both_copies_fit_an_eighth_of_memory_and_leave_a_quarter():
+def test_auto_packs_when_both_copies_fit_an_eighth_of_memory_and_leave_a_quarter(monkeypatch):
+    monkeypatch.setattr(layer_ops, "onednn_bf16", lambda: True)  # the sizing on every CPU (see test_layer_ops.py)
     weights = [torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)]
     size = 2 * (64 * 64 * 2 + 32 * 64 * 2)
     total = 8 * size
@@ -33,6 +34,7 @@ def _run(model: str, prepack: bool, prompts: list[list[int]]) -> tuple[dict, int
 
 
 @needs_compiled_kernels
+@pytest.mark.skipif(not layer_ops.onednn_bf16(), reason="oneDNN has no bfloat16 path on this CPU: nothing is packed")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a qkv bias and an untied LM head
 def test_prepacked_weights_are_read_and_onednns_copy_changes_no_bit(kind, tmp_path, default_model_dir, monkeypatch):
     """With `prepack_weights`, steps past the GEMV's rows read oneDNN's copy and the compiled decode steps

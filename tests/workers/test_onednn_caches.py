@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from kernels.cpu_extension import onednn_bf16
+
 _PROBE = """
 import ctypes, json, sys
 import torch
@@ -59,6 +61,7 @@ def test_bounded_caches_stop_growing_with_new_shapes() -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bfloat16 path on this CPU: nothing is packed")
 def test_bounded_caches_bound_the_packed_weights_path_too() -> None:
     """`prepack_weights`' linears go through both of oneDNN's caches as well (unbounded, this probe grew
     +240 MiB from 500 to 900 rows). Their primitives hold buffers that grow with the row count, so the
