@@ -39,10 +39,7 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         if not torch.cuda.is_available():  # an engine whose tensor-parallel ranks hold the GPUs
             return torch.bfloat16
-        try:
-            return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-        except TypeError:  # a torch without the keyword
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     if device.type == "cpu":
         from kernels import cpu_extension
 
