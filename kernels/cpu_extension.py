@@ -1,5 +1,5 @@
-"""Builds and loads kvrelay's compiled CPU kernels (paged attention, the fused layer ops, bfloat16 GEMV, the
-AMX linear layer for decode steps, the decoder stack of a decode step).
+"""Builds and loads kvrelay's compiled CPU kernels (paged attention, the fused layer ops, bfloat16 and float32
+GEMVs, the AMX linear layer for decode steps, the decoder stack of a decode step).
 
 The C++ sources are built once with torch's extension loader (needs a C++ compiler and ninja) and
 cached under torch's extensions folder, one build folder per set of sources, flags and torch install.
@@ -16,7 +16,7 @@ import torch
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / f"csrc_{name}.cpp" for name in ("bindings", "paged_decode", "attention_bf16", "layer_ops",
-                                                         "gemv_bf16", "amx_linear", "decode_layers")]
+                                                         "gemv_bf16", "gemv_f32", "amx_linear", "decode_layers")]
 _NAME = "kvrelay_cpu_kernels"
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

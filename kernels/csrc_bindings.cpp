@@ -1,5 +1,5 @@
 // The Python module of kvrelay's compiled CPU kernels (sources: csrc_paged_decode.cpp, csrc_attention_bf16.cpp,
-// csrc_layer_ops.cpp, csrc_gemv_bf16.cpp, csrc_amx_linear.cpp, csrc_decode_layers.cpp).
+// csrc_layer_ops.cpp, csrc_gemv_bf16.cpp, csrc_gemv_f32.cpp, csrc_amx_linear.cpp, csrc_decode_layers.cpp).
 // torch's pybind11 and its casters for tensors, without the rest of <torch/extension.h> (the whole C++ frontend:
 // the header alone took 24 against 7 s of a file's compile on a 2-core EPYC)
 #include <torch/csrc/utils/pybind.h>
@@ -22,7 +22,9 @@ torch::Tensor argmax_bf16(torch::Tensor logits);
 void write_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor key, torch::Tensor value, torch::Tensor slots);
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_vnni_bf16(torch::Tensor w);
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows,
+                          int64_t f32_max_rows);
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool has_amx_linear();
 torch::Tensor amx_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor h, std::vector<torch::Tensor> weights,
@@ -55,8 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("pack_vnni_bf16", &pack_vnni_bf16, "W [N, K] -> [N/16, K/2, 16, 2], the layout gemv_bf16 reads fastest",
         py::call_guard<py::gil_scoped_release>());
-  m.def("linear_bf16", &linear_bf16, "gemv_bf16 for at most max_rows bfloat16 rows, else at::linear",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::call_guard<py::gil_scoped_release>());
+  m.def("gemv_f32", &gemv_f32, "x [M, K] @ W[N, K]^T (+ bias) for 1 to 8 rows, float32, W read once",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16", &linear_bf16,
+        "gemv_bf16 for at most max_rows bfloat16 rows, gemv_f32 for at most f32_max_rows float32 rows, else at::linear",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("max_rows"), py::arg("f32_max_rows") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_amx_linear", &has_amx_linear, "whether this CPU and OS run amx_linear_bf16 (AMX tiles, bfloat16)");
   m.def("amx_linear_bf16", &amx_linear_bf16, "x [M, K] @ W^T (+ bias) on AMX tiles, W packed by pack_vnni_bf16, bfloat16",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());

@@ -13,7 +13,7 @@
 // by a rounding at SmolLM2-135M's shapes. `gemv_bf16` takes either layout.
 //
 // `linear_bf16` is what the layer ops call: the GEMV where it applies (at most `max_rows` rows, bfloat16,
-// contiguous rows, CPU), else `at::linear`; deciding here costs one call from Python instead of a dozen
+// contiguous rows, CPU), `gemv_f32` (csrc_gemv_f32.cpp) for at most `f32_max_rows` float32 rows, else `at::linear`; deciding here costs one call from Python instead of a dozen
 // attribute reads. `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so), and
 // `linear_bf16` then always takes `at::linear`.
 #include "csrc_aten.h"
@@ -22,6 +22,10 @@
 #include <cstring>
 
 #include "csrc_simd.h"
+
+bool gemv_f32_applies(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
+                      int64_t max_rows);
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
 #ifdef KVRELAY_AVX512_BF16
 namespace {
@@ -256,7 +260,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows) {
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t max_rows,
+                          int64_t f32_max_rows) {
+  if (gemv_f32_applies(x, w, bias, f32_max_rows)) return gemv_f32(x, w, bias);
   const bool bias_ok = !bias.has_value() || !bias->defined() ||
                        (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->dim() == 1);
   if (is_vnni_weight(w)) {  // only the GEMV reads this layout
@@ -276,7 +282,9 @@ torch::Tensor gemv_bf16(torch::Tensor, torch::Tensor, c10::optional<torch::Tenso
   TORCH_CHECK(false, "built without AVX512-BF16");
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t) {
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t,
+                          int64_t f32_max_rows) {
+  if (gemv_f32_applies(x, w, bias, f32_max_rows)) return gemv_f32(x, w, bias);
   return at::linear(x, w, bias);
 }
 

@@ -49,6 +49,12 @@ AMX_TILE_MAX_ROWS = 64
 # compiled 355 of them). Over prepacked copies, rows are padded with zeros up to a multiple of this, so steps
 # share primitives; the padding costs a few rows' arithmetic (docs/benchmarks.md).
 ONEDNN_ROW_BUCKET = 32
+# float32 steps of up to this many rows run the compiled float32 GEMV (`kernels/csrc_gemv_f32.cpp`; it takes 64 at
+# most). SmolLM2-135M's linear layers, 30 layers each its own weights and the LM head, 2 threads, on a 2-core
+# AMD Zen 3 (AVX2): it read the weights at 28 GB/s at one row against F.linear's 14, 23 against 7 at 2 rows, 17
+# against 6 at 8; it took 0.50x F.linear's time at 16 rows, 0.65x at 32, 0.8-1.0x at 64 and 1.07x at 96
+# (docs/benchmarks.md).
+F32_GEMV_MAX_ROWS = 48
 
 
 def default_row_limits() -> tuple[int, int]:
@@ -159,10 +165,10 @@ class CppLayerOps(TorchLayerOps):
     runs_stacks = True
 
     def __init__(self, gemv_max_rows: int | None = None, vnni_max_rows: int | None = None,
-                 amx_max_rows: int | None = None) -> None:
+                 amx_max_rows: int | None = None, f32_max_rows: int | None = None) -> None:
         """The limits default to `default_row_limits()` for this CPU; `amx_max_rows` (the AMX kernel's, for
         steps past `vnni_max_rows` over the VNNI copies) to `AMX_TILE_MAX_ROWS` where the CPU and OS run AMX
-        tiles, and is 0 where they do not."""
+        tiles, and is 0 where they do not; `f32_max_rows` to `F32_GEMV_MAX_ROWS`."""
         from kernels.cpu_extension import load_extension
 
         gemv_default, vnni_default = default_row_limits()
@@ -175,6 +181,8 @@ class CppLayerOps(TorchLayerOps):
         amx = self._gemv is not None and self._ext.has_amx_linear()
         self.amx_max_rows = (AMX_TILE_MAX_ROWS if amx_max_rows is None else amx_max_rows) if amx else 0
         self.onednn_row_bucket = ONEDNN_ROW_BUCKET  # see `linear_packed`
+        # float32 steps of up to this many rows take the float32 GEMV (0: all take `F.linear`)
+        self.f32_max_rows = F32_GEMV_MAX_ROWS if f32_max_rows is None else f32_max_rows
         # prepack's copies by id of the weight (kept beside it, so an id is never taken by another tensor)
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._vnni: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -339,7 +347,7 @@ class CppLayerOps(TorchLayerOps):
             entry = self._packed.get(id(weight)) if rows > self.gemv_max_rows else None
             if entry is not None and entry[0] is weight:
                 return linear_packed(x, entry[1], bias, self.onednn_row_bucket)
-        return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows)
+        return self._ext.linear_bf16(x, weight, bias, self.gemv_max_rows, self.f32_max_rows)
 
     def rms_norm(self, x, weight, eps):
         return self._ext.rms_norm(x, weight, eps)

@@ -122,7 +122,7 @@ def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
         within_one_bf16_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
     strided_w = w.t().contiguous().t()
     for args in [(x, w, b), (x[:2, ::2], w[:, :32].contiguous(), b), (x[:1], strided_w, b),
-                 (x[:1].float(), w.float(), b.float())]:
+                 (x[:1].half(), w.half(), b.half())]:
         assert _took_torch(lambda: CPP.linear(*args))
     assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))  # past the threshold: oneDNN
     assert torch.equal(CPP.linear(x[:1], strided_w, b), F.linear(x[:1], strided_w, b))
@@ -130,7 +130,8 @@ def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
 
 
 def test_linear_falls_back_to_torch_for_other_dtypes():
-    for dtype in (torch.float32, torch.float16):
+    """(float32 at a few rows takes the float32 GEMV: tests/kernels/test_gemv_f32.py)"""
+    for dtype in (torch.float16, torch.float64):
         x, w, b = (t.to(dtype) for t in _data(1, 40, 24, seed=7))
         assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))
         assert CPP.linear(x, w, b).dtype == dtype
