@@ -51,9 +51,9 @@ AMX_TILE_MAX_ROWS = 64
 ONEDNN_ROW_BUCKET = 32
 # float32 steps of up to this many rows run the compiled float32 GEMV (`kernels/csrc_gemv_f32.cpp`; it takes 64 at
 # most). SmolLM2-135M's linear layers, 30 layers each its own weights and the LM head, 2 threads, on a 2-core
-# AMD Zen 3 (AVX2): it read the weights at 28 GB/s at one row against F.linear's 14, 23 against 7 at 2 rows, 17
-# against 6 at 8; it took 0.50x F.linear's time at 16 rows, 0.65x at 32, 0.8-1.0x at 64 and 1.07x at 96
-# (docs/benchmarks.md).
+# AMD Zen 3 (AVX2): it read the weights at 28-29 GB/s at one row against F.linear's 15, 24-25 against 8 at 2 rows,
+# 19 against 8 at 8; it took 0.6x F.linear's time at 16 rows, 0.8x at 32, 0.9x at 48 and 1.0x at 64
+# (docs/benchmarks.md). Measured on that CPU only: where MKL's float32 path is faster the limit may be lower.
 F32_GEMV_MAX_ROWS = 48
 
 
