@@ -12,13 +12,15 @@
 #include "csrc_aten.h"
 #include <algorithm>
 #include <cstdint>
+#if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
+#endif
 
-// The build has -ffast-math, under which the compiler may reassociate sums, and did so differently in a tile of
-// one weight row than in a tile of eight (an output's bits then depended on its neighbours): this file's own
-// functions are compiled without it, so each sum runs in the order written. FMAs stay (-ffp-contract=fast,
-// GCC's default).
-#pragma GCC optimize("no-fast-math")
+// The build's flags have -ffast-math, under which the compiler may reassociate a sum, or fuse a multiply and an
+// add, where it likes: it had fused `acc += x * w` in some tiles and not in others, so an output's last bit
+// depended on its tile. This file's own functions are compiled without either: every sum runs in the order
+// written, the chains' FMAs are the instruction (`fma` below), and nothing else is fused.
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
 
 namespace {
 
@@ -32,10 +34,14 @@ typedef float vf __attribute__((vector_size(kLanes * sizeof(float)), aligned(4))
 
 constexpr int64_t kMaxRows = 64, kGroup = 8;
 
+#if defined(__clang__) || __GNUC__ >= 12
+#define KVRELAY_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+#define KVRELAY_SHUFFLE(v, ...) __builtin_shuffle(v, vi{__VA_ARGS__})
+#endif
 
-// a * b + c, lane by lane, one rounding where the CPU has FMA: always the instruction, so that no output's chain
-// is contracted where another's is not (the compiler had contracted `acc += x * w` in some tiles, not in others)
+// a * b + c, lane by lane: the FMA instruction where the CPU has one, else a product and a sum (unfused here)
 inline vf fma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
   return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
@@ -49,14 +55,14 @@ inline vf fma(vf a, vf b, vf c) {
 // Lanes added in halves: for 8, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
 inline float hsum(vf v) {
 #if defined(__AVX512F__)
-  v += __builtin_shuffle(v, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  v += KVRELAY_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += KVRELAY_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += KVRELAY_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += KVRELAY_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
 #else
-  v += __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, vi{2, 3, 0, 1, 6, 7, 4, 5});
-  v += __builtin_shuffle(v, vi{1, 0, 3, 2, 5, 4, 7, 6});
+  v += KVRELAY_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += KVRELAY_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += KVRELAY_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6);
 #endif
   return v[0];
 }
