@@ -1,14 +1,15 @@
 // float32 matrix-vector products for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for 1 to 64 rows M. At a few
 // rows a linear layer is a stream of its weights from memory, and `at::linear`'s float32 path did not stream: on
 // a 2-core AMD Zen 3 (AVX2) it read SmolLM2-135M's weights at ~15 GB/s at one row and 8 at 2-8, where the
-// machine reads 34-39; this reads them at 28-29 at one row, 24 at 2-4, 19 at 8 (docs/benchmarks.md). Here each output is one dot product of K in vector lanes (a chain of
-// FMAs per output), summed across the lanes at the end, then the ragged end of K one element at a time, then the
-// bias: the same order whatever M, the thread count or the output's neighbours, and another than `at::linear`'s,
-// so an output differs from its in the last bits. A tile runs up to 8 rows over one weight row (their chains side
-// by side), or one row over 8 weight rows. Threads split N in contiguous ranges and walk them in blocks of ~128 KiB
-// of W; past 8 rows, each group of 8 runs over a block in turn, so W comes from memory once and from cache for
-// the other groups. The vectors are GCC's vector extension, as wide as the build's ISA (-march=native: 8 lanes
-// for AVX2, 16 for AVX-512).
+// machine reads 34-39; this reads them at 28-29 at one row, 24 at 2-4, 19 at 8 (docs/benchmarks.md).
+//
+// Each output is one dot product of K in vector lanes (a chain of FMAs), summed across the lanes at the end,
+// then the ragged end of K one element at a time, then the bias: the same order whatever M, the thread count or
+// the output's neighbours, and another than `at::linear`'s, so an output differs from its in the last bits. A
+// tile runs up to 8 rows over one weight row (their chains side by side), or one row over 8 weight rows. Threads
+// split N in contiguous ranges and walk them in blocks of ~128 KiB of W; past 8 rows, each group of 8 runs over
+// a block in turn, so W comes from memory once and from cache for the other groups. The vectors are GCC's
+// vector extension, as wide as the build's ISA (-march=native: 8 lanes for AVX2, 16 for AVX-512).
 #include "csrc_aten.h"
 #include <algorithm>
 #include <cstdint>

@@ -33,3 +33,10 @@ def within_one_bf16_step(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: t
     step = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)
     assert ((y.double() - exact).abs() <= step + x.shape[1] * 2.0 ** -24 * magnitudes).all()
     assert (y != exact.to(torch.bfloat16)).double().mean() < 0.01
+
+
+def took_torch_linear(fn) -> bool:
+    """Whether `fn` ran torch's linear (the profiler records aten::linear; the compiled GEMVs do not call it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.key == "aten::linear" for e in prof.key_averages())

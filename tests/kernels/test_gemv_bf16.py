@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_kernels import COMPILED, SKIP_REASON, within_one_bf16_step
+from compiled_kernels import COMPILED, SKIP_REASON, took_torch_linear, within_one_bf16_step
 from kernels.layer_ops import GEMV_MAX_ROWS, CppLayerOps
 
 if not COMPILED:
@@ -105,28 +105,21 @@ def test_bad_inputs_raise():
         CPP._gemv(x, w, b[:8])
 
 
-def _took_torch(fn) -> bool:
-    """Whether `fn` ran torch's linear (the profiler records aten::linear; the GEMV does not call it)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return any(e.key == "aten::linear" for e in prof.key_averages())
-
-
 @needs_bf16
 def test_linear_takes_the_gemv_for_few_contiguous_bfloat16_rows():
     limit = CPP.gemv_max_rows  # GEMV_MAX_ROWS, or fewer on a CPU with AMX
     x, w, b = _data(limit + 1, 96, 64, seed=5)
     for rows in (1, limit):
-        assert not _took_torch(lambda: CPP.linear(x[:rows], w, b))
-        assert not _took_torch(lambda: CPP.linear(x[:rows], w))
+        assert not took_torch_linear(lambda: CPP.linear(x[:rows], w, b))
+        assert not took_torch_linear(lambda: CPP.linear(x[:rows], w))
         within_one_bf16_step(CPP.linear(x[:rows], w, b), x[:rows], w, b)
     strided_w = w.t().contiguous().t()
     for args in [(x, w, b), (x[:2, ::2], w[:, :32].contiguous(), b), (x[:1], strided_w, b),
                  (x[:1].half(), w.half(), b.half())]:
-        assert _took_torch(lambda: CPP.linear(*args))
+        assert took_torch_linear(lambda: CPP.linear(*args))
     assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))  # past the threshold: oneDNN
     assert torch.equal(CPP.linear(x[:1], strided_w, b), F.linear(x[:1], strided_w, b))
-    assert not _took_torch(lambda: CppLayerOps(gemv_max_rows=limit + 1).linear(x, w, b))
+    assert not took_torch_linear(lambda: CppLayerOps(gemv_max_rows=limit + 1).linear(x, w, b))
 
 
 def test_linear_falls_back_to_torch_for_other_dtypes():

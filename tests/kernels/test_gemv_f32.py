@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compiled_kernels import COMPILED, SKIP_REASON
+from compiled_kernels import COMPILED, SKIP_REASON, took_torch_linear
 from kernels.layer_ops import F32_GEMV_MAX_ROWS, CppLayerOps
 
 if not COMPILED:
@@ -102,25 +102,19 @@ def test_bad_inputs_raise():
         GEMV(torch.zeros(32, 2).t(), w)
 
 
-def _took_torch(fn) -> bool:
-    """Whether `fn` ran torch's linear (the profiler records aten::linear; the GEMV does not call it)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return any(e.key == "aten::linear" for e in prof.key_averages())
-
-
 def test_linear_takes_the_gemv_for_few_float32_rows():
     limit = CPP.f32_max_rows
     assert limit == F32_GEMV_MAX_ROWS
     x, w, b = _data(limit + 1, 96, 64, seed=5)
     for rows in (1, limit):
-        assert not _took_torch(lambda: CPP.linear(x[:rows], w, b))
-        assert not _took_torch(lambda: CPP.linear(x[:rows], w))
+        assert not took_torch_linear(lambda: CPP.linear(x[:rows], w, b))
+        assert not took_torch_linear(lambda: CPP.linear(x[:rows], w))
         within_float32_sum_error(CPP.linear(x[:rows], w, b), x[:rows], w, b)
     strided_w = w.t().contiguous().t()
     for args in [(x, w, b), (x[:1], strided_w, b), (x[:1].half(), w.half(), b.half()), (x[:1].double(), w.double())]:
-        assert _took_torch(lambda: CPP.linear(*args))
+        assert took_torch_linear(lambda: CPP.linear(*args))
     assert torch.equal(CPP.linear(x, w, b), F.linear(x, w, b))  # past the limit: torch
     assert torch.equal(CPP.linear(x[:1], strided_w, b), F.linear(x[:1], strided_w, b))
     off = CppLayerOps(f32_max_rows=0)
-    assert _took_torch(lambda: off.linear(x[:1], w, b)) and torch.equal(off.linear(x[:1], w, b), F.linear(x[:1], w, b))
+    assert took_torch_linear(lambda: off.linear(x[:1], w, b))
+    assert torch.equal(off.linear(x[:1], w, b), F.linear(x[:1], w, b))

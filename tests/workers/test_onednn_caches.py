@@ -52,7 +52,7 @@ def _growth_mib(mode: str, weights: str = "plain", first: int = 100, last: int =
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
-@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bfloat16 path on this CPU: bf16 linears compile no primitives")
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN has no bfloat16 path on this CPU: no primitives to cache")
 def test_bounded_caches_stop_growing_with_new_shapes() -> None:
     default = _growth_mib("default")
     if default < 100:
