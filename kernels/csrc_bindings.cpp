@@ -57,7 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("pack_vnni_bf16", &pack_vnni_bf16, "W [N, K] -> [N/16, K/2, 16, 2], the layout gemv_bf16 reads fastest",
         py::call_guard<py::gil_scoped_release>());
-  m.def("gemv_f32", &gemv_f32, "x [M, K] @ W[N, K]^T (+ bias) for 1 to 8 rows, float32, W read once",
+  m.def("gemv_f32", &gemv_f32, "x [M, K] @ W[N, K]^T (+ bias) for 1 to 64 rows, float32, W read once",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("linear_bf16", &linear_bf16,
         "gemv_bf16 for at most max_rows bfloat16 rows, gemv_f32 for at most f32_max_rows float32 rows, else at::linear",

@@ -13,9 +13,10 @@
 // by a rounding at SmolLM2-135M's shapes. `gemv_bf16` takes either layout.
 //
 // `linear_bf16` is what the layer ops call: the GEMV where it applies (at most `max_rows` rows, bfloat16,
-// contiguous rows, CPU), `gemv_f32` (csrc_gemv_f32.cpp) for at most `f32_max_rows` float32 rows, else `at::linear`; deciding here costs one call from Python instead of a dozen
-// attribute reads. `gemv_bf16` raises when built without AVX512-BF16 (`has_avx512_bf16()` says so), and
-// `linear_bf16` then always takes `at::linear`.
+// contiguous rows, CPU), `gemv_f32` (csrc_gemv_f32.cpp) for at most `f32_max_rows` float32 rows, else
+// `at::linear`; deciding here costs one call from Python instead of a dozen attribute reads. `gemv_bf16` raises
+// when built without AVX512-BF16 (`has_avx512_bf16()` says so), and `linear_bf16` then takes `gemv_f32` or
+// `at::linear`.
 #include "csrc_aten.h"
 #include <algorithm>
 #include <cstdint>

@@ -19,7 +19,7 @@ CPP = CppLayerOps()
 GEMV = CPP._ext.gemv_f32
 
 # SmolLM2-135M's layers (qkv, o_proj, gate_up, down, LM head), then odd widths: K not a multiple of a vector
-# (8 or 16 lanes: the ragged end), K under one vector, N not a multiple of a tile (2, 3 or 4 weight rows).
+# (8 or 16 lanes: the ragged end), K under one vector, N not a multiple of a one-row tile (8 weight rows).
 ROWS = [*range(1, 10), 16, 17, 48, 64]  # one to eight rows (their own tiles), groups of 8 and what is left
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (7, 33), (130, 1), (5, 100), (1001, 4095)]
 
@@ -32,8 +32,8 @@ def _data(m: int, n: int, k: int, seed: int, integers: bool = False):
 
 
 def within_float32_sum_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    """Each output within the worst-case error of float32 sums of its K products and the bias ((K + 1) * 2**-24
-    times the sum of their magnitudes, and the products' own roundings) from the float64 result."""
+    """Each output within the worst-case error of float32 sums of its K products and the bias, with the products'
+    own roundings ((K + 2) * 2**-24 times the sum of their magnitudes), from the float64 result."""
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     magnitudes = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
     assert ((y.double() - exact).abs() <= (x.shape[1] + 2) * 2.0 ** -24 * magnitudes).all()
@@ -63,9 +63,10 @@ def test_exact_where_float32_sums_are_exact(n, k):
 
 @pytest.mark.parametrize("n", [1, 5, 511, 1024, 1027, 2053])
 def test_the_same_outputs_however_the_rows_are_split(n):
-    """A thread takes tiles of a few weight rows, and the rows past the last whole tile go one at a time; which
-    rows go together depends on N, the row count and the thread count, and must change no output: each equals
-    its weight row computed alone, with one thread or two."""
+    """One row runs over tiles of 8 weight rows and the rest one at a time; a thread walks its range in blocks, and
+    past 8 rows each group of 8 in turn. Which outputs go together depends on N, the row count and the thread
+    count, and must change no output: each equals its weight row computed alone, with one thread or two (and
+    each row equals itself computed alone: `test_a_row_gives_the_same_outputs_beside_any_others`)."""
     threads = torch.get_num_threads()
     try:
         for m in ROWS:
@@ -76,6 +77,14 @@ def test_the_same_outputs_however_the_rows_are_split(n):
                 assert torch.equal(GEMV(x, w, b), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_row_gives_the_same_outputs_beside_any_others():
+    """A decode row's logits do not depend on the batch it runs in (tiles of 1 to 8 rows, groups of 8)."""
+    x, w, b = _data(64, 1027, 576, seed=11)
+    alone = torch.cat([GEMV(x[i:i + 1], w, b) for i in range(64)])
+    for m in ROWS:
+        assert torch.equal(GEMV(x[:m], w, b), alone[:m])
 
 
 def test_rows_of_a_wider_tensor_and_an_empty_weight():
