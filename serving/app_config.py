@@ -146,14 +146,14 @@ class AppConfig(BaseModel):
         if not self.disaggregate:
             return self
         from workers.model_loader import dtype_name, resolve_dtype
-        from workers.sizing import wants_gpus
+        from workers.sizing import dtype_device
 
         def value(engine: EngineConfig, name: str):
             """`dtype` as each pool's engine will read it: `auto` by its kind of device (a GPU pool's by the CUDA
             rule even where this process has no GPU; a CPU pool's by this CPU, like the pools' in a cluster)."""
             if name != "dtype" or engine.dtype != "auto":
                 return getattr(engine, name)
-            return dtype_name(resolve_dtype("auto", "cuda" if wants_gpus(engine.device) else "cpu"))
+            return dtype_name(resolve_dtype("auto", dtype_device(engine)))
 
         prefill, decode = self.pool_engine("prefill"), self.pool_engine("decode")
         diffs = [f"{name} {getattr(prefill, name)!r} vs {getattr(decode, name)!r}"

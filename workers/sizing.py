@@ -46,11 +46,12 @@ def wants_gpus(device: str) -> bool:
 
 
 def dtype_device(config) -> torch.device:
-    """The kind of device whose `auto` dtype an engine takes (`model_loader.auto_dtype`): its own device, or with
-    tensor parallelism the one its ranks run on (GPUs where `device` asks for them, as `TPModelRunner` does)."""
-    if config.tensor_parallel_size > 1:
-        return torch.device("cuda" if wants_gpus(config.device) else "cpu")
-    return resolve_device(config.device)
+    """The kind of device whose `auto` dtype an engine takes (`model_loader.auto_dtype`): CUDA where `device` asks
+    for GPUs (as `TPModelRunner` does for its ranks), even where this process has none (a GPU pool's engine, read
+    by an app's config elsewhere); else its own device, or with tensor parallelism the CPU its ranks run on."""
+    if wants_gpus(config.device):
+        return torch.device("cuda")
+    return resolve_device(config.device) if config.tensor_parallel_size == 1 else torch.device("cpu")
 
 
 def gpu_kv_budget(total_bytes: int, free_bytes: int, peak_bytes: int, utilization: float) -> int:
