@@ -1,7 +1,8 @@
 """The machine's ceilings, measured in the same run as a benchmark so that its results can be read as fractions
 of them on any host: the matmul rate at the model's own layer shapes (many rows, the faster of `F.linear` and
 oneDNN's packed weights: the compute roofline; one row,
-over every layer's own weights: the GEMV view of decode), memory read bandwidth, and the 2048³ bf16 matmul
+over every layer's own weights: the GEMV view of decode, the faster of `F.linear` and the engine's compiled GEMV),
+memory read bandwidth, and the 2048³ bf16 matmul
 that earlier notes quote (in float32 on a CPU without a native bfloat16 matmul). A few seconds in all on a small
 model."""
 
@@ -43,6 +44,7 @@ class Ceilings:
     layer_gflops: float  # the decoder layers' matmuls together, weighted by their FLOPs
     lm_head_gflops: float
     gemv_gbs: dict[str, float]  # per model matmul at one row: weight bytes read per second, each layer its own
+    # (the faster of `F.linear` and the compiled GEMV the engine runs for this dtype on this CPU, `gemv_kernels`)
     gemv_forward_ms: float  # every matmul of one token's forward pass at one row
     read_gbs: float  # memory read bandwidth with `threads` threads
     read_gbs_median: float
@@ -59,6 +61,10 @@ class Ceilings:
     # bfloat16, the same on every host, but float32 on a CPU without oneDNN's bfloat16 path (AVX2 only), whose
     # bfloat16 matmul is a scalar loop: ~0.3 GFLOP/s, a minute a call, on a 2-core Zen 3
     reference_dtype: str = "bfloat16"
+    # per model matmul, the implementation behind `gemv_gbs` ("F.linear", "gemv_f32", "gemv_bf16"), and
+    # `F.linear`'s own rate where the compiled GEMV ran too
+    gemv_kernels: dict[str, str] = field(default_factory=dict)
+    gemv_gbs_torch: dict[str, float] = field(default_factory=dict)
 
     @property
     def dtype_bytes(self) -> int:
@@ -66,7 +72,8 @@ class Ceilings:
 
     @property
     def gemv_tok_s(self) -> float:
-        """Tokens per second if a decode step were nothing but the matmuls at one row, as torch runs them."""
+        """Tokens per second if a decode step were nothing but the matmuls at one row, each run the faster way
+        (`gemv_kernels`)."""
         return 1000.0 / self.gemv_forward_ms if self.gemv_forward_ms > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -191,7 +198,8 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
                 del p
         layer_flops = sum(m.flops_per_row * m.per_token for m in shape.layer_matmuls)
         layer_seconds = sum(m.flops_per_row * m.per_token / (best[m.name] * 1e9) for m in shape.layer_matmuls)
-        gemv_gbs, forward_s = _gemv(shape, uniform, sync, torch_dtype)
+        gemv_gbs, forward_s, gemv_kernels, gemv_torch = _gemv(shape, uniform, sync, torch_dtype,
+                                                              _gemv_kernels(torch_dtype, on_cuda))
         reference_dtype = torch.bfloat16 if on_cuda or onednn_bf16() else torch.float32
         reference_a, reference_b = (uniform(reference_size, reference_size, dt=reference_dtype) for _ in range(2))
         reference_flops = 2 * reference_size**3
@@ -211,33 +219,71 @@ def measure_ceilings(shape: ModelShape, threads: int | None = None, dtype: str =
                     read_gbs=read, read_gbs_median=read_median, read_gbs_1_thread=read_1,
                     read_gbs_1_thread_median=read_1_median, read_bytes=nbytes, reference_gflops=reference,
                     reference_gflops_1_thread=reference_1, seconds=time.perf_counter() - start, notes=notes,
-                    matmul_gflops_packed=packed, reference_dtype=str(reference_dtype).removeprefix("torch."))
+                    matmul_gflops_packed=packed, reference_dtype=str(reference_dtype).removeprefix("torch."),
+                    gemv_kernels=gemv_kernels, gemv_gbs_torch=gemv_torch)
 
 
-def _gemv(shape: ModelShape, uniform: Callable[..., Any], sync: Callable[[], None], torch_dtype: Any,
-          passes: int = 3) -> tuple[dict[str, float], float]:
-    """One row through each matmul, every layer with its own weights (as in the model, so they stream from
-    memory rather than sit in cache): weight GB/s per matmul, and seconds for all of them (one decode token).
-    Each call is timed alone and its best over ``passes`` kept, so a pass that another process interrupts
-    does not count."""
+def _gemv_kernels(torch_dtype: Any, on_cuda: bool) -> dict[str, Callable[..., Any]]:
+    """The ways to run one row through a matmul that the engine may take: `F.linear`, and on a CPU the compiled
+    GEMV for the dtype where the extension builds (`gemv_f32` for float32; `gemv_bf16` for bfloat16 where it
+    was compiled with AVX512-BF16)."""
     import torch
     import torch.nn.functional as F
 
+    kernels: dict[str, Callable[..., Any]] = {"F.linear": F.linear}
+    if on_cuda:
+        return kernels
+    try:
+        from kernels.cpu_extension import load_extension
+
+        ext = load_extension()
+    except Exception:  # no compiler here: torch's own is all the engine has too
+        return kernels
+    if torch_dtype == torch.float32:
+        kernels["gemv_f32"] = ext.gemv_f32
+    elif torch_dtype == torch.bfloat16 and ext.has_avx512_bf16():
+        kernels["gemv_bf16"] = ext.gemv_bf16
+    return kernels
+
+
+def _gemv(shape: ModelShape, uniform: Callable[..., Any], sync: Callable[[], None], torch_dtype: Any,
+          kernels: dict[str, Callable[..., Any]],
+          passes: int = 3) -> tuple[dict[str, float], float, dict[str, str], dict[str, float]]:
+    """One row through each matmul, every layer with its own weights (as in the model, so they stream from
+    memory rather than sit in cache), by each of `kernels` (a name refusing the shape is left out): weight GB/s
+    per matmul by the fastest, seconds for all of them (one decode token), which kernel that was per matmul,
+    and `F.linear`'s GB/s where another kernel ran too. Each call is timed alone and its best over ``passes``
+    kept, so a pass that another process interrupts does not count."""
+    import torch
+
     element = torch.empty((), dtype=torch_dtype).element_size()
     gbs: dict[str, float] = {}
+    torch_gbs: dict[str, float] = {}
+    chosen: dict[str, str] = {}
     forward_s = 0.0
     for m in shape.matmuls:
         x = uniform(1, m.in_features)
         weights = [uniform(m.out_features, m.in_features) for _ in range(m.per_token)]
-        best = [float("inf")] * len(weights)
-        for _ in range(passes + 1):  # the first pass warms up
-            for i, w in enumerate(weights):
-                start = time.perf_counter()
-                F.linear(x, w)
-                sync()
-                best[i] = min(best[i], time.perf_counter() - start)
-        seconds = sum(best)
-        gbs[m.name] = m.params * m.per_token * element / seconds / 1e9
-        forward_s += seconds
+        seconds_by: dict[str, float] = {}
+        for name, kernel in kernels.items():
+            best = [float("inf")] * len(weights)
+            try:
+                for _ in range(passes + 1):  # the first pass warms up
+                    for i, w in enumerate(weights):
+                        start = time.perf_counter()
+                        kernel(x, w)
+                        sync()
+                        best[i] = min(best[i], time.perf_counter() - start)
+            except RuntimeError:
+                if name == "F.linear":
+                    raise
+                continue  # a compiled kernel that does not take this shape
+            seconds_by[name] = sum(best)
+        name = min(seconds_by, key=seconds_by.__getitem__)
+        weight_bytes = m.params * m.per_token * element
+        gbs[m.name], chosen[m.name] = weight_bytes / seconds_by[name] / 1e9, name
+        if len(seconds_by) > 1:
+            torch_gbs[m.name] = weight_bytes / seconds_by["F.linear"] / 1e9
+        forward_s += seconds_by[name]
         del weights
-    return gbs, forward_s
+    return gbs, forward_s, chosen, torch_gbs

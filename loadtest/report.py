@@ -239,6 +239,8 @@ def ceilings_text(ceilings: dict[str, Any]) -> str:
     flags = ", ".join(f"{f} {'yes' if c['cpu']['flags'].get(f) else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
     per_shape = ", ".join(f"{k} {v:,.0f}" for k, v in c["matmul_gflops"].items() if k != "lm_head")
     gemv = ", ".join(f"{k} {v:,.1f}" for k, v in c["gemv_gbs"].items())
+    compiled = sorted({v for v in c.get("gemv_kernels", {}).values() if v != "F.linear"})
+    gemv_how = f", the faster of F.linear and {' / '.join(compiled)}" if compiled else ""
     packed = ", the faster of F.linear and packed weights" if c.get("matmul_gflops_packed") else ""
     title = (f"Ceilings of this machine ({c['cpu']['model_name']}, {flags}; {c['threads']} thread{'s' if c['threads'] != 1 else ''}, {c['dtype']}, "
              f"{c['device']}; load average {c['loadavg'][0]:.1f} at the measurement; {c['seconds']:.1f} s):")
@@ -246,7 +248,7 @@ def ceilings_text(ceilings: dict[str, Any]) -> str:
         [f"matmul at the model's layer shapes, {c['rows']} rows{packed}", f"{c['layer_gflops']:,.0f} GFLOP/s ({per_shape})"],
         [f"LM head matmul, {c['rows']} rows", f"{c['lm_head_gflops']:,.0f} GFLOP/s"],
         [f"{c.get('reference_dtype', 'bfloat16')} 2048³ matmul", f"{c['reference_gflops']:,.0f} GFLOP/s (1 thread {c['reference_gflops_1_thread']:,.0f})"],
-        ["every matmul at 1 row (GEMV), each layer its own weights",
+        [f"every matmul at 1 row (GEMV), each layer its own weights{gemv_how}",
          f"{c['gemv_forward_ms']:,.1f} ms per token = {c['gemv_tok_s']:,.1f} tok/s (GB/s: {gemv})"],
         ["memory read bandwidth (best / median)", f"{c['read_gbs']:,.1f} / {c['read_gbs_median']:,.1f} GB/s "
          f"(1 thread {c['read_gbs_1_thread']:,.1f} / {c['read_gbs_1_thread_median']:,.1f})"],

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kernels.cpu_extension import onednn_bf16
+from kernels.cpu_extension import load_extension, onednn_bf16
 from loadtest.ceilings import FLAGS_OF_INTEREST, Ceilings, cpu_info, measure_ceilings
 from loadtest.model_shape import ModelShape
 
@@ -33,6 +33,12 @@ def test_every_ceiling_is_measured_and_positive(dtype: str) -> None:
     assert set(c.matmul_gflops_packed) == (MATMULS if dtype == "bfloat16" and native else set())
     assert c.reference_dtype == ("bfloat16" if native else "float32")
     assert all(c.matmul_gflops[k] >= v > 0 for k, v in c.matmul_gflops_packed.items())
+    # one row: the faster of F.linear and the engine's compiled GEMV for the dtype, where it was built (float32
+    # everywhere; bfloat16 with AVX512-BF16)
+    compiled = {"float32": "gemv_f32", "bfloat16": "gemv_bf16" if load_extension().has_avx512_bf16() else None}[dtype]
+    assert set(c.gemv_kernels) == MATMULS and set(c.gemv_kernels.values()) <= {"F.linear", compiled}
+    assert set(c.gemv_gbs_torch) == (MATMULS if compiled else set())
+    assert all(c.gemv_gbs[k] >= v > 0 for k, v in c.gemv_gbs_torch.items())
     # the layers' rate is a FLOP-weighted mix of theirs, so it lies between the slowest and the fastest
     layer_rates = [c.matmul_gflops[m.name] for m in TINY.layer_matmuls]
     assert min(layer_rates) <= c.layer_gflops * (1 + 1e-9) and c.layer_gflops <= max(layer_rates) * (1 + 1e-9)
@@ -56,3 +62,15 @@ def test_bad_arguments_fail_clearly() -> None:
         measure_ceilings(TINY, dtype="int8")
     with pytest.raises(ValueError, match="positive"):
         measure_ceilings(TINY, rows=0)
+
+
+def test_the_report_names_the_gemv_kernels_it_measured() -> None:
+    """The report's GEMV row says which compiled kernel the one-row ceiling took the faster of; a JSON from before
+    the ceilings timed one (no `gemv_kernels`) reads as F.linear alone."""
+    from loadtest.report import ceilings_text
+
+    data = measure_ceilings(TINY, threads=1, dtype="float32", rows=8, read_bytes=2**20, reference_size=64).to_json()
+    data["gemv_kernels"] = {"qkv": "gemv_f32", "lm_head": "F.linear"}
+    assert "each layer its own weights, the faster of F.linear and gemv_f32 |" in ceilings_text(data)
+    del data["gemv_kernels"], data["gemv_gbs_torch"]
+    assert "each layer its own weights |" in ceilings_text(data)
