@@ -89,7 +89,8 @@ class EngineConfig:
     prompt_lookup_min: int = _opt(2, "Speculation: the shortest suffix (in tokens) looked up in the sequence.")
     speculative_disable_by_batch_size: int | None = _opt(
         None, "Speculation: no drafts in a step while more requests than this run; default: no limit on the CPU "
-              "(beside other requests, each drafts only as many tokens as its record of kept drafts earns), and "
+              "(beside other requests, each drafts only the tokens its record of kept drafts says are kept with "
+              "at least the odds a row costs, by the engine's timed steps), and "
               "where decode steps replay CUDA graphs as many as the largest graph holds with all their drafts, "
               "max_num_seqs // (1 + num_speculative_tokens) (a step of more rows would run eagerly).")
 

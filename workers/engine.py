@@ -85,6 +85,14 @@ class _PendingOutputs:
     prompt_logprobs: dict
 
 
+def _decode_only(sched: SchedulerOutput) -> bool:
+    """Whether every request of the step computes its last token and its drafts, and nothing else (no prompt
+    chunk): the steps whose time `StepCosts` fits against their rows."""
+    return not sched.admitted and all(
+        r.num_computed_tokens + 1 == len(r.all_token_ids) and n == 1 + len(r.spec_token_ids)
+        for r, n in zip(sched.requests, sched.num_new_tokens))
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -296,13 +304,19 @@ class Engine:
         self.failed = {}
         current, self._inflight = self._inflight, None
         if current is None:
+            start = time.perf_counter()
             sched = self.scheduler.schedule()
             if not sched.requests:
                 return self._take_pending()
             self.outputs.mark_scheduled(sched.admitted, time.monotonic())
             current = self._ahead.launch(sched) if self.async_scheduling else None
             if current is None:
-                return self._step_in_turn(sched)
+                costs = self.scheduler.step_costs
+                decode_only = costs is not None and _decode_only(sched)
+                outputs = self._step_in_turn(sched)
+                if decode_only:
+                    costs.observe(sched.total_num_tokens, time.perf_counter() - start)
+                return outputs
         self._inflight = self._ahead.run_ahead(current)
         try:
             earlier = self._take_pending()  # outputs left by a step before (the device is busy meanwhile)

@@ -22,12 +22,17 @@ from workers.kv_cache_manager import KVCacheManager
 from workers.ngram import TokenArray, propose
 from workers.request import Request, RequestStatus
 from workers.request_queue import RequestQueue
+from workers.step_costs import StepCosts
 
 # Speculation beside other requests (`Scheduler._earned`): a draft is made when the chance that it is kept,
-# by the request's record, is at least SPEC_KEEP_ODDS; a new record reads as SPEC_PRIOR_ODDS with the weight
-# of SPEC_PRIOR_KEPT kept drafts; each drafting step first decays the record by SPEC_RECORD_DECAY; a request
-# that earns no draft makes one every SPEC_PROBE_EVERY steps.
+# by the request's record, is at least what its row costs: the rows' share of a step's time by the engine's
+# own steps (`StepCosts.row_share`), within SPEC_MIN_KEEP_ODDS..SPEC_MAX_KEEP_ODDS, or SPEC_KEEP_ODDS until
+# the steps tell; a new record reads as SPEC_PRIOR_ODDS with the weight of SPEC_PRIOR_KEPT kept drafts; each
+# drafting step first decays the record by SPEC_RECORD_DECAY; a request that earns no draft makes one every
+# SPEC_PROBE_EVERY steps.
 SPEC_KEEP_ODDS = 0.5
+SPEC_MIN_KEEP_ODDS = 0.25
+SPEC_MAX_KEEP_ODDS = 0.95
 SPEC_PRIOR_ODDS = 0.75
 SPEC_PRIOR_KEPT = 1.0
 SPEC_RECORD_DECAY = 0.75
@@ -87,6 +92,10 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
+        # what a row of a decode step costs, from the engine's steps (it observes them): the odds a draft beside
+        # other requests needs (`keep_odds`)
+        self.step_costs = StepCosts() if config.num_speculative_tokens else None
+        self._keep_odds = SPEC_KEEP_ODDS
 
     @property
     def num_waiting(self) -> int:
@@ -132,6 +141,8 @@ class Scheduler:
         scheduled: dict[Request, int] = {}
 
         speculate = self.speculates()
+        if speculate and len(self.running) > 1:
+            self._keep_odds = self.keep_odds()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -175,6 +186,14 @@ class Scheduler:
         `speculative_disable_by_batch_size`."""
         limit = self.config.speculative_disable_by_batch_size
         return self.config.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
+
+    def keep_odds(self) -> float:
+        """The chance of being kept that a draft needs beside the requests running now: the share of a step's
+        time that its rows cost (`StepCosts.row_share`: a row more pays when its draft is kept with at least
+        that chance), within SPEC_MIN_KEEP_ODDS..SPEC_MAX_KEEP_ODDS; SPEC_KEEP_ODDS until the engine's steps
+        have told it."""
+        share = None if self.step_costs is None else self.step_costs.row_share(len(self.running))
+        return SPEC_KEEP_ODDS if share is None else min(SPEC_MAX_KEEP_ODDS, max(SPEC_MIN_KEEP_ODDS, share))
 
     def may_run_ahead(self) -> bool:
         """Whether steps may be scheduled ahead (`schedule_ahead`): no request waits to be admitted, and
@@ -223,7 +242,7 @@ class Scheduler:
         room = min(c.num_speculative_tokens, budget, req.max_tokens - req.num_output_tokens - 1,
                    c.max_model_len - req.num_tokens - 1)
         if room > 0 and len(self.running) > 1:
-            room = self._earned(req, room)
+            room = self._earned(req, room, self._keep_odds)
         if room <= 0:
             return []
         if req.token_array is None:
@@ -231,17 +250,17 @@ class Scheduler:
         return propose(req.token_array.of(req.all_token_ids), room, c.prompt_lookup_max, c.prompt_lookup_min)
 
     @staticmethod
-    def _earned(req: Request, room: int) -> int:
+    def _earned(req: Request, room: int, keep_odds: float) -> int:
         """How many drafts a request's record earns: the most whose last is kept with a chance of at least
-        SPEC_KEEP_ODDS, each draft kept with the chance its record gives (kept / judged, starting from 0.75).
-        Alone, a request's drafts are nearly free rows beside the weights every step reads, so it drafts in
-        full. Beside others every row costs about what a kept draft saves: on a 2-core Xeon a burst of 256
-        requests took 2.3 times as long when every draft was refused, and its steps of 129-256 requests made
-        tokens no faster than without drafts when 70% were kept. A request that earns none drafts one every
-        SPEC_PROBE_EVERY steps, to learn again."""
+        `keep_odds` (`keep_odds()`), each draft kept with the chance its record gives (kept / judged, starting
+        from 0.75). Alone, a request's drafts are nearly free rows beside the weights every step reads, so it
+        drafts in full. Beside others a row may cost about what a kept draft saves: on a 2-core Xeon a burst of
+        256 requests took 2.3 times as long when every draft was refused, and its steps of 129-256 requests
+        made tokens no faster than without drafts when 70% were kept. A request that earns none drafts one
+        every SPEC_PROBE_EVERY steps, to learn again."""
         odds = (req.spec_kept + SPEC_PRIOR_KEPT) / (req.spec_judged + SPEC_PRIOR_KEPT / SPEC_PRIOR_ODDS)
         n, chance = 0, 1.0
-        while n < room and chance * odds >= SPEC_KEEP_ODDS:
+        while n < room and chance * odds >= keep_odds:
             chance *= odds
             n += 1
         if n == 0:

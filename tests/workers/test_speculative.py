@@ -250,8 +250,10 @@ def test_batches_larger_than_the_limit_do_not_speculate(default_model_dir, promp
     assert engine2.scheduler.num_draft_tokens > drafts_with_three  # three at once never drafted; one did
 
 
-def _drafts_per_step(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]]) -> list[dict]:
-    """`_run`, recording how many drafts each scheduled request computes in each step."""
+def _drafts_per_step(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]],
+                     finals: dict | None = None) -> list[dict]:
+    """`_run`, recording how many drafts each scheduled request computes in each step (and in `finals`, if
+    given, each request's final output: `_finals`)."""
     steps, schedule = [], engine.scheduler.schedule
 
     def recorded():
@@ -260,20 +262,44 @@ def _drafts_per_step(engine: Engine, params: dict[str, SamplingParams], prompts:
         return out
 
     engine.scheduler.schedule = recorded
-    _run(engine, params, prompts)
+    outputs, _ = _run(engine, params, prompts)
+    if finals is not None:
+        finals.update(_finals(outputs))
     return steps
+
+
+class _Share:
+    """A `StepCosts` whose rows always cost `share` of a step."""
+
+    def __init__(self, share: float | None) -> None:
+        self.share, self.observed = share, []
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.observed.append((rows, seconds))
+
+    def row_share(self, rows: int) -> float | None:
+        return self.share
+
+
+def _spec_engine(model: str, share: float | None) -> Engine:
+    """An engine that speculates, its drafts' odds by `share` (None: SPEC_KEEP_ODDS, as before the steps tell)
+    rather than by the timing of its steps."""
+    engine = _engine(model, num_speculative_tokens=4)
+    engine.scheduler.step_costs = _Share(share)
+    return engine
 
 
 def test_beside_others_a_request_drafts_what_its_record_earns(default_model_dir, prompts, monkeypatch):
     """Drafts that are always refused: alone a request keeps drafting in full (its rows are nearly free);
     beside another it stops after its first refusal and then drafts one token every 8th step to learn
-    again. A request whose drafts are kept drafts in full beside others."""
+    again. A request whose drafts are kept drafts in full beside others. (Odds of 0.5 needed: the engine's
+    own steps, timed, would move them.)"""
     params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
     monkeypatch.setattr("workers.scheduler.propose", lambda tokens, k, max_n, min_n: [7] * k)  # never kept
     alone = _drafts_per_step(_engine(default_model_dir, num_speculative_tokens=4), {"a": params["a"]},
                              {"a": prompts["a"]})
     assert [d["a"] for d in alone[1:-4]] == [4] * (len(alone) - 5)  # in full, until max_tokens leaves less room
-    engine = _engine(default_model_dir, num_speculative_tokens=4)
+    engine = _spec_engine(default_model_dir, None)
     together = _drafts_per_step(engine, params, prompts)
     for rid in prompts:
         drafts = [d.get(rid, 0) for d in together]
@@ -284,10 +310,56 @@ def test_beside_others_a_request_drafts_what_its_record_earns(default_model_dir,
         assert [b - a for a, b in zip([first] + later, later)] == [8] * len(later)  # probes, 8 steps apart
     assert engine.scheduler.num_accepted_tokens == 0
     monkeypatch.undo()
-    engine = _engine(default_model_dir, num_speculative_tokens=4)
+    engine = _spec_engine(default_model_dir, None)
     kept = _drafts_per_step(engine, params, prompts)
     a = [d.get("a", 0) for d in kept]  # text that repeats itself: the model agrees with its drafts
     assert 4 in a[a.index(2) + 1:]  # from two drafts (a new record) to four, once they were kept
+
+
+def test_beside_others_the_odds_a_draft_needs_follow_what_a_row_costs(default_model_dir, prompts):
+    """Where rows cost nearly all of a step, a new record's odds (0.75) earn no draft beside others, and a request
+    whose drafts are kept drafts less than where rows cost little; alone it drafts in full either way. The
+    tokens are the same."""
+    params = {rid: SamplingParams(max_tokens=40, temperature=0, ignore_eos=True) for rid in prompts}
+    runs, finals = {}, {0.0: {}, 1.0: {}}
+    for share in (0.0, 1.0):
+        engine = _spec_engine(default_model_dir, share)
+        runs[share] = (_drafts_per_step(engine, params, prompts, finals[share]), engine)
+    assert finals[0.0] == finals[1.0]
+    cheap, dear = ([d.get("a", 0) for d in runs[share][0]] for share in (0.0, 1.0))
+    first = next(i for i, n in enumerate(cheap) if n)
+    assert cheap[first] == 4  # a new record's drafts: 0.75, 0.56, 0.42, 0.32, all >= 0.25
+    probes = [i for i, n in enumerate(dear) if n]  # none reach 0.95: only probes, every 8th step
+    assert probes and all(dear[i] == 1 for i in probes) and all((b - a) % 8 == 0 for a, b in zip(probes, probes[1:]))
+    assert sum(dear) < sum(cheap)
+    assert runs[1.0][1].scheduler.num_accepted_tokens > 0  # its probes were kept
+    alone = _drafts_per_step(_spec_engine(default_model_dir, 1.0), {"a": params["a"]}, {"a": prompts["a"]})
+    assert 4 in [d["a"] for d in alone]  # alone it drafts in full whatever rows cost beside others
+
+
+def test_the_engine_times_its_decode_steps_for_the_rows_cost(default_model_dir, prompts):
+    """The engine gives `StepCosts` each decode-only step's rows (requests and their drafts) and time, and no
+    step that computes a prompt."""
+    params = {rid: SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for rid in prompts}
+    engine = _spec_engine(default_model_dir, None)
+    steps, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        decode = not out.admitted and all(r.num_computed_tokens + 1 == len(r.all_token_ids)
+                                          for r in out.requests)
+        steps.append(out.total_num_tokens if decode else None)
+        return out
+
+    engine.scheduler.schedule = recorded
+    _run(engine, params, prompts)
+    observed = engine.scheduler.step_costs.observed
+    assert [rows for rows, _ in observed] == [n for n in steps if n is not None]
+    assert None in steps and any(n > len(prompts) for n in steps if n)  # prompts, and steps with drafts
+    assert all(seconds > 0 for _, seconds in observed)
+    real = _engine(default_model_dir, num_speculative_tokens=4)  # the engine's own: it learns the rows' share
+    _run(real, params, prompts)
+    assert real.scheduler.step_costs.row_share(3) is not None
 
 
 def test_preemption_under_a_small_pool_gives_the_same_tokens(default_model_dir, prompts):
