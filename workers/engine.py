@@ -311,8 +311,8 @@ class Engine:
             self.outputs.mark_scheduled(sched.admitted, time.monotonic())
             current = self._ahead.launch(sched) if self.async_scheduling else None
             if current is None:
-                costs = self.scheduler.step_costs
-                decode_only = costs is not None and _decode_only(sched)
+                costs = self.scheduler.step_costs  # timed while drafts are being decided (`keep_odds`)
+                decode_only = costs is not None and self.scheduler.speculates() and _decode_only(sched)
                 outputs = self._step_in_turn(sched)
                 if decode_only:
                     costs.observe(sched.total_num_tokens, time.perf_counter() - start)

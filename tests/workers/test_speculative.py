@@ -337,26 +337,38 @@ def test_beside_others_the_odds_a_draft_needs_follow_what_a_row_costs(default_mo
     assert 4 in [d["a"] for d in alone]  # alone it drafts in full whatever rows cost beside others
 
 
-def test_the_engine_times_its_decode_steps_for_the_rows_cost(default_model_dir, prompts):
-    """The engine gives `StepCosts` each decode-only step's rows (requests and their drafts) and time, and no
-    step that computes a prompt."""
-    params = {rid: SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for rid in prompts}
-    engine = _spec_engine(default_model_dir, None)
+def _timed_steps(engine: Engine, params: dict[str, SamplingParams], prompts: dict[str, list[int]]) -> list:
+    """`_run` with the step costs recorded (`_Share`): each step's (requests, rows) if it was decode-only, else
+    None, and the (rows, seconds) the engine gave the step costs."""
+    engine.scheduler.step_costs = _Share(None)
     steps, schedule = [], engine.scheduler.schedule
 
     def recorded():
         out = schedule()
         decode = not out.admitted and all(r.num_computed_tokens + 1 == len(r.all_token_ids)
                                           for r in out.requests)
-        steps.append(out.total_num_tokens if decode else None)
+        steps.append((len(out.requests), out.total_num_tokens) if decode else None)
         return out
 
     engine.scheduler.schedule = recorded
     _run(engine, params, prompts)
-    observed = engine.scheduler.step_costs.observed
-    assert [rows for rows, _ in observed] == [n for n in steps if n is not None]
-    assert None in steps and any(n > len(prompts) for n in steps if n)  # prompts, and steps with drafts
+    return steps, engine.scheduler.step_costs.observed
+
+
+def test_the_engine_times_its_decode_steps_for_the_rows_cost(default_model_dir, prompts):
+    """The engine gives `StepCosts` each decode-only step's rows (requests and their drafts) and time, and no
+    step that computes a prompt; while more requests run than `speculative_disable_by_batch_size` (no drafts
+    decided) none."""
+    params = {rid: SamplingParams(max_tokens=24, temperature=0, ignore_eos=True) for rid in prompts}
+    steps, observed = _timed_steps(_engine(default_model_dir, num_speculative_tokens=4), params, prompts)
+    assert [rows for rows, _ in observed] == [s[1] for s in steps if s is not None]
+    assert None in steps and any(s[1] > s[0] for s in steps if s)  # prompts, and steps with drafts
     assert all(seconds > 0 for _, seconds in observed)
+    limited = _engine(default_model_dir, num_speculative_tokens=4, speculative_disable_by_batch_size=2)
+    early = {**params, "b": SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)}  # then two run
+    steps, observed = _timed_steps(limited, early, prompts)
+    assert [rows for rows, _ in observed] == [s[1] for s in steps if s is not None and s[0] <= 2]
+    assert any(s[0] == 3 for s in steps if s) and observed  # three running: not timed; two: timed
     real = _engine(default_model_dir, num_speculative_tokens=4)  # the engine's own: it learns the rows' share
     _run(real, params, prompts)
     assert real.scheduler.step_costs.row_share(3) is not None
