@@ -85,14 +85,6 @@ class _PendingOutputs:
     prompt_logprobs: dict
 
 
-def _decode_only(sched: SchedulerOutput) -> bool:
-    """Whether every request of the step computes its last token and its drafts, and nothing else (no prompt
-    chunk): the steps whose time `StepCosts` fits against their rows."""
-    return not sched.admitted and all(
-        r.num_computed_tokens + 1 == len(r.all_token_ids) and n == 1 + len(r.spec_token_ids)
-        for r, n in zip(sched.requests, sched.num_new_tokens))
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
@@ -311,8 +303,9 @@ class Engine:
             self.outputs.mark_scheduled(sched.admitted, time.monotonic())
             current = self._ahead.launch(sched) if self.async_scheduling else None
             if current is None:
-                costs = self.scheduler.step_costs  # timed while drafts are being decided (`keep_odds`)
-                decode_only = costs is not None and self.scheduler.speculates() and _decode_only(sched)
+                # decode rows only, timed while drafts are being decided (`keep_odds`): what `StepCosts` fits
+                costs = self.scheduler.step_costs
+                decode_only = costs is not None and self.scheduler.speculates() and sched.decodes_only()
                 outputs = self._step_in_turn(sched)
                 if decode_only:
                     costs.observe(sched.total_num_tokens, time.perf_counter() - start)

@@ -66,6 +66,11 @@ class SchedulerOutput:
     def total_num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def decodes_only(self) -> bool:
+        """Whether every request computes one token of its own and its drafts, if any (no prompt chunk of more
+        than one token): a step of decode rows only."""
+        return all(n == 1 + len(r.spec_token_ids) for r, n in zip(self.requests, self.num_new_tokens))
+
     def sample_rows(self) -> list[int]:
         """The indices of the scheduled requests that sample a token this step: those whose chunk reaches
         their last token (past it are only their drafts, if any)."""

@@ -60,7 +60,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, num_heads: int, num
     reqs = out.requests
     starts = [r.num_computed_tokens for r in reqs]
     nums = out.num_new_tokens
-    if all(n == 1 + len(r.spec_token_ids) for r, n in zip(reqs, nums)):  # decodes (some with drafts) only
+    if out.decodes_only():  # decodes (some with drafts) only
         batch = _decode_rows(reqs, starts, block_size)
     else:
         batch = _flatten(reqs, starts, nums, block_size)
