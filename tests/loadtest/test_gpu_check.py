@@ -153,11 +153,11 @@ def test_only_runs_the_named_sections_and_separate_kernels_skips_the_linear_swee
     records every other one as skipped; an unknown name is refused. `--separate-kernels` (a rerun's fallback
     if the fused norm-and-matmul kernels fail on a GPU) skips the linear sweep, which would apply them."""
     proc = subprocess.run([sys.executable, "-m", "loadtest.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--only", "greedy_graphs_on_vs_off,linear_sweep", "--separate-kernels"], cwd=ROOT,
+                           "--only", "kernel_parity,linear_sweep", "--separate-kernels"], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["complete"] and sorted(report["passed"]) == ["environment", "greedy_graphs_on_vs_off"]
+    assert report["complete"] and sorted(report["passed"]) == ["environment", "kernel_parity"]
     assert list(report["checks"]) == SECTIONS
     assert report["checks"]["linear_sweep"] == {"status": "skipped", "reason": "--separate-kernels"}
     assert all(report["checks"][s]["reason"] == "not in --only" for s in report["skipped"] if s != "linear_sweep")
