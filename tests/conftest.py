@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from background_tests import (pytest_collection_modifyitems, pytest_collectreport, pytest_configure,  # noqa: F401
+                              pytest_runtest_logreport, pytest_runtestloop, pytest_unconfigure)
 from workers.model_loader import resolve_dtype
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

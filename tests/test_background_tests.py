@@ -1,0 +1,88 @@
+"""tests/background_tests.py: the files it names run in a second pytest process at idle CPU priority, and
+their results come back into the main run's summary and exit code: passes, failures and a crash."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOREGROUND = "tests/router/test_policy.py"  # a fast file of the main process: 7 tests
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or (os.cpu_count() or 1) < 2,
+                                reason="the split runs on Linux with two or more cores")
+
+
+@pytest.fixture
+def handed_over():
+    """Writes a test file under tests/ (so the child loads tests/conftest.py, as it does for the listed files;
+    a dot folder, which no collection of tests/ enters) and runs it beside FOREGROUND."""
+    folder = Path(tempfile.mkdtemp(prefix=".background-check-", dir=ROOT / "tests"))
+
+    def run(body: str, **env_overrides) -> subprocess.CompletedProcess:
+        test_file = folder / "test_handed_over.py"
+        test_file.write_text(textwrap.dedent(body))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_TESTS_")}
+        env.update(KVRELAY_TESTS_BACKGROUND_ALSO=str(test_file), **env_overrides)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
+                               "--durations-min=0", FOREGROUND, str(test_file)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    yield run
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_handed_over_tests_run_at_idle_priority_and_report_into_the_main_run(handed_over):
+    proc = handed_over("""
+        import os
+
+        def test_runs_at_idle_priority_in_another_process():
+            assert os.sched_getscheduler(0) == os.SCHED_IDLE
+            assert os.environ.get("KVRELAY_TESTS_CHILD")
+
+        def test_fails_there():
+            assert 6 * 7 == 41
+    """)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert "2 of these tests (1 files) run in a second pytest process" in out
+    assert "test_handed_over.py::test_fails_there" in out and "assert (6 * 7) == 41" in out, out
+    assert "call     tests/.background-check-" in out  # the child's durations, replayed here
+    assert "1 failed, 8 passed" in out, out  # test_policy's 7 and the child's one
+
+
+def test_a_crash_there_fails_the_test_it_was_running(handed_over):
+    proc = handed_over("""
+        import os
+
+        def test_fine():
+            pass
+
+        def test_crashes():
+            os._exit(3)
+
+        def test_never_runs():
+            pass
+    """)
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    assert "FAILED tests/.background-check-" in out and "test_handed_over.py::test_crashes" in out, out
+    assert "exited with 3 during this test (2 of its tests did not finish)" in out, out
+    assert "1 failed, 8 passed" in out, out
+
+
+def test_off_by_the_environment(handed_over):
+    proc = handed_over("""
+        import os
+
+        def test_in_the_main_process():
+            assert os.sched_getscheduler(0) != os.SCHED_IDLE and "KVRELAY_TESTS_CHILD" not in os.environ
+    """, KVRELAY_TESTS_BACKGROUND="0")
+    assert proc.returncode == 0 and "second pytest process" not in proc.stdout and "8 passed" in proc.stdout, proc.stdout
