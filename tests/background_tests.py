@@ -1,11 +1,11 @@
-"""A second pytest process at the lowest CPU priority for the test files that use one core and no Ray.
+"""A second pytest process at the lowest CPU priority for test files that need no Ray and time nothing.
 
-On this project's 2-core machines the suite keeps ~1.5 cores busy: the server tests wait on replicas, and the
-files below run Triton's interpreter (one thread) or the device script's dry run. A plain second worker
-(pytest-xdist) contends with Ray's replicas, which Ray starts at nice 15, and starves them. So `make test`
-hands these files to a child pytest under Linux's SCHED_IDLE policy: it runs only on a core nobody else wants,
-never delays the main process or Ray, and its tests assert results, not times (a test that times itself is
-marked `foreground` and stays in the main process).
+On this project's 2-core machines a one-process run keeps ~1.5 cores busy: the server tests wait on replicas,
+and Triton's interpreter and the device script's dry run use one thread. A plain second worker (pytest-xdist)
+contends with Ray's replicas, which Ray starts at nice 15, and starves them. So the files below go to a child
+pytest under Linux's SCHED_IDLE policy: it runs only on a core nobody else wants and never delays the main
+process or Ray. Its tests assert results, not times (a test there that times itself is marked `foreground`
+and stays in the main process). The main process runs the rest, then waits for the child.
 
 The child's test reports come back to the main process when its own tests are done (as pytest-xdist's workers'
 do): its results, failures and durations are in the one summary and the one exit code.
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 BACKGROUND_FILES = frozenset({
+    # Triton's interpreter (one thread) and the device script: most of the idle core's work
     "tests/kernels/test_flash_attention.py",
     "tests/kernels/test_flashinfer_attention.py",
     "tests/kernels/test_triton_attention.py",
@@ -36,6 +37,18 @@ BACKGROUND_FILES = frozenset({
     "tests/loadtest/test_gpu_check_sweeps.py",
     "tests/workers/test_device.py",
     "tests/workers/test_kernel_variants.py",
+    # small engines against references (no time measured): they fill the server tests' waits
+    "tests/kernels/test_cpu_attention.py",
+    "tests/kernels/test_gemv_f32.py",
+    "tests/test_background_tests.py",
+    "tests/workers/test_async_scheduling.py",
+    "tests/workers/test_model_loader.py",
+    "tests/workers/test_overlap_outputs.py",
+    "tests/workers/test_prefix_caching.py",
+    "tests/workers/test_sampling.py",
+    "tests/workers/test_sampling_options.py",
+    "tests/workers/test_stream_interval.py",
+    "tests/workers/test_structured_output.py",
 })
 ALSO_ENV = "KVRELAY_TESTS_BACKGROUND_ALSO"  # more files for the child (absolute paths, os.pathsep between): tests
 CHILD_ENV = "KVRELAY_TESTS_CHILD"  # in the child: the folder with the node ids it runs; it writes its reports there
@@ -44,6 +57,7 @@ CHILD_ENV = "KVRELAY_TESTS_CHILD"  # in the child: the folder with the node ids 
 class _Child:
     def __init__(self, proc: subprocess.Popen, workdir: Path, count: int):
         self.proc, self.workdir, self.count = proc, workdir, count
+        self.started = time.time()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -59,11 +73,16 @@ _config: pytest.Config | None = None
 
 
 def _lowest_priority() -> None:
-    """In the child, before exec: SCHED_IDLE (any user may lower its own policy to it), else nice 19."""
+    """In the child, before exec: SCHED_IDLE (any user may lower its own policy to it). Where the kernel groups
+    each session's processes for fair shares (autogroup, on by default on desktops and in many VMs), a session
+    of its own would get an equal share against the main one's whole session (pytest and Ray's workers, which
+    share it), so the child's session, new here, takes the lowest group priority too (nice 19)."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("19")
+    except FileNotFoundError:  # a kernel without autogroup: SCHED_IDLE alone ranks it below every other task
+        pass
 
 
 def _split_wanted(config: pytest.Config) -> bool:
@@ -108,10 +127,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     (workdir / "locations.json").write_text(json.dumps({i.nodeid: i.location for i in background}))
     files = list(dict.fromkeys(str(i.path) for i in background))
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={workdir / 'tmp'}", *files]
-    with open(workdir / "output.txt", "wb") as out:
-        proc = subprocess.Popen(args, cwd=config.invocation_params.dir, env=dict(os.environ, **{CHILD_ENV: str(workdir)}),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_lowest_priority, start_new_session=True)
+    try:
+        with open(workdir / "output.txt", "wb") as out:
+            proc = subprocess.Popen(args, cwd=config.invocation_params.dir, stdout=out, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, **{CHILD_ENV: str(workdir)}), stdin=subprocess.DEVNULL,
+                                    preexec_fn=_lowest_priority, start_new_session=True)
+    except (OSError, subprocess.SubprocessError) as e:  # no idle priority to be had here: one process
+        shutil.rmtree(workdir, ignore_errors=True)
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"every test runs in this process: no idle priority for a second one ({e})")
+        return
     _child = _Child(proc, workdir, len(background))
     items[:] = foreground
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -149,19 +175,21 @@ def pytest_runtestloop(session: pytest.Session):
     except BaseException:
         _child.kill()
         raise
-    running = _child.proc.poll() is None
-    waited = time.monotonic()
+    main_done = time.time()
     code = _child.proc.wait()
-    waited = time.monotonic() - waited
+    reports = _child.workdir / "reports.jsonl"
+    child_done = reports.stat().st_mtime if reports.exists() else time.time()  # its last report
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        gap = child_done - main_done
         reporter.write("\n")
-        reporter.write_line(f"the background pytest finished {'%.0f s after' % waited if running else 'before'} "
-                            f"these tests; its {_child.count} results:")
-    reports = _child.workdir / "reports.jsonl"
+        reporter.write_line(f"the background pytest ran {child_done - _child.started:.0f} s and finished "
+                            f"{abs(gap):.0f} s {'after' if gap > 0 else 'before'} these tests; its {_child.count} results:")
     failed, finished = 0, set()
     for line in reports.read_text().splitlines() if reports.exists() else []:
         report = session.config.hook.pytest_report_from_serializable(config=session.config, data=json.loads(line))
+        if isinstance(report.longrepr, list):  # a skip's (file, line, reason), a list after JSON
+            report.longrepr = tuple(report.longrepr)
         if isinstance(report, pytest.CollectReport):  # a file that failed to import there
             session.config.hook.pytest_collectreport(report=report)
         else:
@@ -169,10 +197,11 @@ def pytest_runtestloop(session: pytest.Session):
             if report.when == "teardown":
                 finished.add(report.nodeid)
         failed += report.failed
-    if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) and not failed:
-        # it ended without a failed test to show for it (a crash): the test it was running fails, with its output
-        locations = json.loads((_child.workdir / "locations.json").read_text())
-        missing = [n for n in locations if n not in finished]
+    locations = json.loads((_child.workdir / "locations.json").read_text())
+    missing = [n for n in locations if n not in finished]
+    if missing or (code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) and not failed):
+        # it ended before its last test (a crash), or badly without a failed test to show for it: the test it was
+        # running fails, with its output
         output = (_child.workdir / "output.txt").read_text(errors="replace")[-20000:]
         nodeid = missing[0] if missing else next(iter(locations))
         session.config.hook.pytest_runtest_logreport(report=pytest.TestReport(
