@@ -30,7 +30,8 @@ def handed_over():
         test_file = folder / "test_handed_over.py"
         test_file.write_text(textwrap.dedent(body))
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_TESTS_")}
-        env.update(KVRELAY_TESTS_BACKGROUND_ALSO=str(test_file), **env_overrides)
+        env.update(KVRELAY_TESTS_BACKGROUND="1", KVRELAY_TESTS_BACKGROUND_ALSO=str(test_file))
+        env.update(env_overrides)
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
                                "--durations-min=0", FOREGROUND, str(test_file)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
