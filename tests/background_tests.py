@@ -12,8 +12,8 @@ do): its results, failures and durations are in the one summary and the one exit
 
 Off unless `KVRELAY_TESTS_BACKGROUND=1` (and never with `--pdb`, `--collect-only` or a run of only these files):
 a full run on 24 GB already peaks at ~22.8 GB used in its server tests, and a second Python process with
-torch, transformers and Triton loaded adds to that; with the child, Ray's memory monitor killed a worker in the autoscaling
-test in two runs of three (docs/results/ci-time-20261207/)"""
+torch, transformers and Triton loaded adds to that; with the child, Ray's memory monitor killed a worker in the
+autoscaling test in two runs of three (docs/results/ci-time-20261207/)"""
 
 from __future__ import annotations
 
@@ -91,10 +91,9 @@ def _split_wanted(config: pytest.Config) -> bool:
             and not config.option.collectonly and not config.option.usepdb)
 
 
-def _background(item: pytest.Item, root: Path) -> bool:
+def _background(item: pytest.Item, root: Path, also: set[Path]) -> bool:
     path = item.path.resolve()
-    also = {str(Path(p).resolve()) for p in os.environ.get(ALSO_ENV, "").split(os.pathsep) if p}
-    listed = str(path) in also or (path.is_relative_to(root) and path.relative_to(root).as_posix() in BACKGROUND_FILES)
+    listed = path in also or (path.is_relative_to(root) and path.relative_to(root).as_posix() in BACKGROUND_FILES)
     return listed and item.get_closest_marker("foreground") is None
 
 
@@ -118,8 +117,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not _split_wanted(config):
         return
     root = Path(config.rootpath).resolve()
-    background = [i for i in items if _background(i, root)]
-    foreground = [i for i in items if not _background(i, root)]
+    also = {Path(p).resolve() for p in os.environ.get(ALSO_ENV, "").split(os.pathsep) if p}
+    background, foreground = [], []
+    for item in items:
+        (background if _background(item, root, also) else foreground).append(item)
     if not background or not foreground:
         return
     workdir = Path(tempfile.mkdtemp(prefix="kvrelay-background-tests-"))
