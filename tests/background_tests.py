@@ -10,10 +10,10 @@ and stays in the main process). The main process runs the rest, then waits for t
 The child's test reports come back to the main process when its own tests are done (as pytest-xdist's workers'
 do): its results, failures and durations are in the one summary and the one exit code.
 
-Off unless `KVRELAY_TESTS_BACKGROUND=1` (and never with `--pdb`, `--collect-only` or a run of only these files):
-a full run on 24 GB already peaks at ~22.8 GB used in its server tests, and a second Python process with
-torch, transformers and Triton loaded adds to that; with the child, Ray's memory monitor killed a worker in the
-autoscaling test in two runs of three (docs/results/ci-time-20261207/)"""
+On unless `KVRELAY_TESTS_BACKGROUND=0` (and never with `--pdb`, `--collect-only` or a run of only these files
+or of none). The server tests delete each module's apps when it ends (tests/conftest.py): with every module's
+apps left up, a full run peaked at ~22 GB used of 24, and beside this process Ray's memory monitor killed a
+worker in the autoscaling test in two runs of three; now it peaks at ~12 GB (docs/results/ci-time-20261207/)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _lowest_priority() -> None:
 
 
 def _split_wanted(config: pytest.Config) -> bool:
-    return (os.environ.get(CHILD_ENV) is None and os.environ.get("KVRELAY_TESTS_BACKGROUND", "0") == "1"
+    return (os.environ.get(CHILD_ENV) is None and os.environ.get("KVRELAY_TESTS_BACKGROUND", "1") != "0"
             and sys.platform == "linux" and (os.cpu_count() or 1) >= 2
             and not config.option.collectonly and not config.option.usepdb)
 

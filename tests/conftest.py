@@ -116,6 +116,12 @@ def serve_url(ray_session):
     serve.shutdown()
 
 
+# The apps a test module deployed (`deploy_app`), deleted when the module ends (`_delete_module_apps`): the
+# apps of every module left up at once came to most of the machine's memory late in a run. The session's
+# shared apps (`main_app_url`, `tiny_app_url`) stay up.
+_module_apps: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def deploy_app(serve_url):
     from serving.ray_cluster import deploy_app as deploy_named
@@ -125,9 +131,33 @@ def deploy_app(serve_url):
         # The apps of a whole run share one machine: without the prepacked copies (twice the weights'
         # memory per replica, tested offline) a run on 24 GB stays clear of Ray's memory monitor.
         options.setdefault("prepack_weights", False)
+        _module_apps.append(name)
         return deploy_named(name, options, serve_url, timeout_s=300)
 
     return deploy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _delete_module_apps():
+    """Delete the apps this module deployed once its tests are done (a module may delete some itself)."""
+    yield
+    if not _module_apps:
+        return
+    from ray import serve
+
+    names = list(dict.fromkeys(_module_apps))
+    _module_apps.clear()
+    running = serve.status().applications
+    for name in names:
+        if name in running:
+            serve.delete(name)
+
+
+def _session_app(deploy_app, name: str, **options) -> str:
+    """An app that stays up for the whole session (not deleted with the module that deployed it first)."""
+    url = deploy_app(name, **options)
+    _module_apps.remove(name)
+    return url
 
 
 @pytest.fixture(scope="session")
@@ -135,11 +165,11 @@ def main_app_url(deploy_app) -> str:
     """The default-model app shared by server test files (`serving_helpers.MAIN_APP_OPTIONS`)."""
     from serving_helpers import MAIN_APP_OPTIONS
 
-    return deploy_app("main", **MAIN_APP_OPTIONS)
+    return _session_app(deploy_app, "main", **MAIN_APP_OPTIONS)
 
 
 @pytest.fixture(scope="session")
 def tiny_app_url(deploy_app, tiny_model_dir) -> str:
     """The tiny random-weight model's app (float32), shared by the tests that drive a server with a load
     generator and look only at what it measures."""
-    return deploy_app("tiny", model=tiny_model_dir, dtype="float32")
+    return _session_app(deploy_app, "tiny", model=tiny_model_dir, dtype="float32")

@@ -32,6 +32,7 @@ def handed_over():
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_TESTS_")}
         env.update(KVRELAY_TESTS_BACKGROUND="1", KVRELAY_TESTS_BACKGROUND_ALSO=str(test_file))
         env.update(env_overrides)
+        env = {k: v for k, v in env.items() if v is not None}  # None: unset
         return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=0",
                                "--durations-min=0", FOREGROUND, str(test_file)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -70,6 +71,18 @@ def test_handed_over_tests_run_at_idle_priority_and_report_into_the_main_run(han
     assert "exited with 3 during this test (2 of its tests did not finish)" in out, out
     assert "call     tests/.background-check-" in out  # the child's durations, replayed here
     assert "2 failed, 8 passed" in out, out  # test_policy's 7 and the child's one
+
+
+def test_on_unless_the_environment_says_otherwise(handed_over):
+    proc = handed_over("""
+        import os
+
+        def test_in_the_child():
+            assert os.environ.get("KVRELAY_TESTS_CHILD")
+    """, KVRELAY_TESTS_BACKGROUND=None)
+    out = proc.stdout
+    assert proc.returncode == 0 and "1 of these tests (1 files) run in a second pytest process" in out, out
+    assert "8 passed" in out, out
 
 
 def test_off_by_the_environment(handed_over):

@@ -26,11 +26,12 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
     assert abs(ms["step"] - sum(ms[k] for k in host_step.PHASES) - ms["other"]) < 1e-3  # each rounded to 0.1 us
     assert abs(ms["host"] - (ms["step"] - ms["forward"] - ms["sample"])) < 1e-3
     assert result["profile_top_own_time"] and sum(result["gc_collections_by_generation"]) >= 0
-    # the thread's CPU time: never more than the wall time, but for the two clocks' disagreement (in a full test
-    # run on a 2-core VM the CPU clock once read 0.7% more: 1.858 against 1.845 ms)
+    # the thread's CPU time: never more than the wall time, but for the two clocks' disagreement and the clock
+    # reads inside the CPU interval (in full test runs on a 2-core VM the CPU clock read 0.7% more, 1.858 against
+    # 1.845 ms, and once, beside a second pytest process, more than 2% + 10 us in a phase)
     cpu = result["thread_cpu_ms_per_step"]
-    assert set(cpu) == {"step", *host_step.CPU_PHASES} and 0 < cpu["step"] <= ms["step"] * 1.02 + 0.01
-    assert all(0 < cpu[k] <= ms[k] * 1.02 + 0.01 for k in host_step.CPU_PHASES)
+    assert set(cpu) == {"step", *host_step.CPU_PHASES}
+    assert all(0 < cpu[k] <= ms[k] * 1.05 + 0.02 for k in cpu), (cpu, ms)
     # the wrappers are gone and nothing is left running
     assert model_runner.build_step_inputs is build and model_runner.launch_sample is sample
     assert model_runner.build_ahead_inputs is ahead and PendingSample.result is result_fn

@@ -30,8 +30,12 @@ def offline():
 
 @pytest.fixture(scope="module", params=["object_store", "gloo"])
 def app(request, deploy_app):
-    url = deploy_app(f"dis-{request.param.replace('_', '')}", kv_transport=request.param, **POOLS)
-    return request.param, url
+    from ray import serve
+
+    name = f"dis-{request.param.replace('_', '')}"
+    url = deploy_app(name, kv_transport=request.param, **POOLS)
+    yield request.param, url
+    serve.delete(name)  # before the other transport's app starts
 
 
 def wait_all_free(url: str, timeout: float = 30.0) -> dict:

@@ -224,13 +224,3 @@ def test_autoscaling_adds_a_replica_that_serves(deploy_app):
     m = scrape(url)
     per_replica = {dict(lbls)["replica"]: v for (name, lbls), v in m.items() if name == "kvrelay:generation_tokens_total"}
     assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), per_replica
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _cleanup_apps():
-    yield
-    for app in ("queue", "kill", "kill-fused", "scale"):
-        try:
-            serve.delete(app)
-        except Exception:
-            pass
