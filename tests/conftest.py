@@ -120,6 +120,7 @@ def serve_url(ray_session):
 # apps of every module left up at once came to most of the machine's memory late in a run. The session's
 # shared apps (`main_app_url`, `tiny_app_url`) stay up.
 _module_apps: list[str] = []
+SESSION_APPS = frozenset({"main", "tiny"})
 
 
 @pytest.fixture(scope="session")
@@ -145,19 +146,11 @@ def _delete_module_apps():
         return
     from ray import serve
 
-    names = list(dict.fromkeys(_module_apps))
+    names = set(_module_apps) - SESSION_APPS
     _module_apps.clear()
     running = serve.status().applications
-    for name in names:
-        if name in running:
-            serve.delete(name)
-
-
-def _session_app(deploy_app, name: str, **options) -> str:
-    """An app that stays up for the whole session (not deleted with the module that deployed it first)."""
-    url = deploy_app(name, **options)
-    _module_apps.remove(name)
-    return url
+    for name in names & set(running):
+        serve.delete(name)
 
 
 @pytest.fixture(scope="session")
@@ -165,11 +158,11 @@ def main_app_url(deploy_app) -> str:
     """The default-model app shared by server test files (`serving_helpers.MAIN_APP_OPTIONS`)."""
     from serving_helpers import MAIN_APP_OPTIONS
 
-    return _session_app(deploy_app, "main", **MAIN_APP_OPTIONS)
+    return deploy_app("main", **MAIN_APP_OPTIONS)
 
 
 @pytest.fixture(scope="session")
 def tiny_app_url(deploy_app, tiny_model_dir) -> str:
     """The tiny random-weight model's app (float32), shared by the tests that drive a server with a load
     generator and look only at what it measures."""
-    return _session_app(deploy_app, "tiny", model=tiny_model_dir, dtype="float32")
+    return deploy_app("tiny", model=tiny_model_dir, dtype="float32")
