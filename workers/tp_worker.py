@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from workers.config import EngineConfig
+from workers.gc_heap import freeze_startup_heap
 from workers.model_loader import load_hf_config, resolve_dtype, weight_files
 from workers.model_setup import build_model, make_runner, profile_kv_budget
 from workers.model_runner import ModelRunner
@@ -60,6 +61,7 @@ class TPWorker:
         """Allocate this rank's KV cache shard; returns the device it lives on."""
         self.runner = make_runner(self.model, self.attn, self.config, num_blocks, self.dtype, self.device,
                                   self.max_model_len)
+        freeze_startup_heap()  # the rank is built: its heap out of the collector's passes
         return str(self.device)
 
     def execute(self, step: StepInputs) -> SampleOutput | None:

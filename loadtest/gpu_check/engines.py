@@ -34,7 +34,9 @@ def make_engine(plan: Plan, model: str, dtype: str, device: str, backend: str, g
 
 
 def release_memory() -> None:
-    """Return a dropped engine's device memory before the next one sizes its cache."""
+    """Return a dropped engine's device memory before the next one sizes its cache; the heap an engine froze
+    (`workers.gc_heap`) is thawed first, so that a reference cycle in what was dropped goes too."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
