@@ -178,7 +178,7 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 SECTIONS = ("triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
-            "decode_profile", "pd_handoff", "tensor_parallel")
+            "sync_audit", "decode_profile", "pd_handoff", "tensor_parallel")
 
 
 # the sections whose engines launch the kernels with their default configs (before the sweeps change them)
@@ -213,8 +213,8 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import (attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, tensor_parallel,
-                                    warmup)
+    from loadtest.gpu_check import (attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, sync_audit,
+                                    tensor_parallel, warmup)
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -251,6 +251,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("attention_sweep", lambda: attention_sweep.sweep(plan))
     section("linear_sweep", lambda: linear_sweep.sweep(plan), "--separate-kernels" if separate_kernels else None)
     section("throughput", lambda: throughput(plan, model, vocab))
+    section("sync_audit", lambda: sync_audit.audit(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
     section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab),
@@ -339,6 +340,12 @@ def summary(report: dict) -> str:
         g, e = tp["batch1"]["graphs"], tp["batch1"]["eager"]
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
                      f"ratio {tp.get('batch1_graphs_over_eager') or 0:.2f}")
+    audit = report["checks"].get("sync_audit", {})
+    for kind in ("decode", "other"):
+        if audit.get(kind) and audit.get("sync_debug_mode"):
+            a = audit[kind]
+            lines.append(f"  synchronizing calls, {kind} steps: {a['synchronizing_calls']} in {a['steps']} steps"
+                         + "".join(f"\n    {s['calls']} x {s['site']}" for s in a["sites"][:4]))
     for run in report["checks"].get("decode_profile", {}).get("runs", []):
         if run.get("profiled_steps"):
             top = ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in run["top"][:3])

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
-            "decode_profile", "pd_handoff", "tensor_parallel"]
+            "sync_audit", "decode_profile", "pd_handoff", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
@@ -24,6 +24,7 @@ sys.modules["pydantic"] = None
 import loadtest.gpu_check.run, loadtest.gpu_check.engines, loadtest.gpu_check.greedy_parity
 import loadtest.gpu_check.kernel_parity, loadtest.gpu_check.throughput, loadtest.gpu_check.pd_handoff
 import loadtest.gpu_check.attention_sweep, loadtest.gpu_check.linear_sweep, loadtest.gpu_check.timing
+import loadtest.gpu_check.sync_audit
 import kernels.triton_attention, workers.cuda_graphs, workers.kv_transfer
 from loadtest.gpu_check.pd_handoff import transport_available
 transport_available()
@@ -140,6 +141,11 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
         assert tp["batch"][kind]["output_tokens"] == tp["batch"][kind]["requests"] * tp["batch"][kind]["output_len"]
         assert 0 < tp["batch"][kind]["roofline_fraction"] and tp["batch1"][kind]["decode_tok_s"] > 0
     assert tp["copy_bandwidth_gb_s"] > 0 and tp["batch1_graphs_over_eager"] > 0
+    # the audit walked the batch's steps (no sync debug mode on the CPU: nothing to report)
+    audit = checks["sync_audit"]
+    assert audit["status"] == "passed" and audit["async_scheduling"] and not audit["sync_debug_mode"]
+    assert audit["decode"]["steps"] >= 1 and audit["other"]["steps"] >= 1
+    assert audit["decode"]["synchronizing_calls"] == audit["other"]["synchronizing_calls"] == 0
     pd = checks["pd_handoff"]
     assert pd["status"] == "passed" and pd["tokens"] == pd["colocated_tokens"] or (
         pd["status"] == "skipped" and pd["reason"].startswith("cuda_ipc transport not available"))

@@ -73,7 +73,6 @@ def test_a_dropped_engine_is_freed_without_the_collector(tiny_model_dir, monkeyp
     `LLM` a notebook or a test replaces, the GPU check's engines one after another) must go by its references
     alone, its KV cache and model with it: nothing in it may hold a cycle back to it."""
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     options = dict(ENGINES[case])
     graphs = options.pop("graphs", False)
     llm = LLM(tiny_model_dir, dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4, **options)
