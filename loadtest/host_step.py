@@ -230,6 +230,7 @@ def run_host_step(args: argparse.Namespace) -> int:
     if min(args.batch, args.prompt_len, args.steps, args.rounds, args.threads) < 1:
         raise ValueError("--batch, --prompt-len, --steps, --rounds and --threads must be >= 1")
     from workers.engine import Engine
+    from workers.gc_heap import freeze_startup_heap
     from workers.model_loader import default_model_path
     from workers.output_processor import OutputKind
 
@@ -252,6 +253,7 @@ def run_host_step(args: argparse.Namespace) -> int:
                         attention_backend="triton" if args.host_only else "auto")
         if args.host_only:
             host_only(engine, args.batch)
+        freeze_startup_heap()  # as a replica's heap is once it has started
         # --host-only: prompts, like its tokens, from the vocabulary's upper half (whole characters: a prompt
         # ending inside one leaves the detokenizer its slower path, which text does not)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size,

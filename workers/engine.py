@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.config import EngineConfig, check_async_speculation, default_speculation_limit
-from workers.gc_heap import freeze_startup_heap
 from workers.kv_cache_manager import KVCacheManager
 from workers.model_loader import (dtype_name, load_hf_config, load_tokenizer, resolve_dtype, resolve_model_path,
                                   weight_files)
@@ -147,7 +146,6 @@ class Engine:
                                  and (not config.num_speculative_tokens or spec_limit is not None))
         self._inflight: InFlight | None = None
         self._ahead = RunAhead(self.scheduler, self.runner, self.structured)
-        freeze_startup_heap()  # what is alive now lives as long as the engine: out of the collector's passes
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""

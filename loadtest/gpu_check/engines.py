@@ -10,6 +10,7 @@ import torch
 from loadtest.gpu_check.plan import Plan
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.gc_heap import freeze_startup_heap
 from workers.output_processor import OutputKind
 from workers.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ def make_engine(plan: Plan, model: str, dtype: str, device: str, backend: str, g
         from workers.cuda_graphs import eager_capture
 
         engine.runner.enable_decode_graphs(max_num_seqs, engine.max_model_len, capture=eager_capture)
+    freeze_startup_heap()  # as a replica's heap is once it has started (`release_memory` thaws it)
     return engine
 
 

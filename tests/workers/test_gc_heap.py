@@ -1,12 +1,14 @@
-"""An engine's startup heap, frozen out of the garbage collector's passes (`workers/gc_heap.py`)."""
+"""A serving process's heap, frozen out of the garbage collector's passes once its engine is built
+(`workers/gc_heap.py`)."""
 
 import gc
 import weakref
 
 import pytest
 
+from loadtest.gpu_check.engines import make_engine
+from loadtest.gpu_check.plan import Plan
 from serving.llm import LLM
-from workers.engine import Engine
 from workers.gc_heap import ENV, freeze_startup_heap
 from workers.sampling_params import SamplingParams
 
@@ -16,16 +18,26 @@ def tracked(obj: object) -> bool:
     return any(o is obj for o in gc.get_objects())
 
 
-def test_a_built_engine_and_what_was_alive_before_it_are_frozen(tiny_model_dir, monkeypatch) -> None:
+def test_the_gpu_checks_engine_and_what_was_alive_before_it_are_frozen(tiny_model_dir, monkeypatch) -> None:
+    """The GPU check's engines (and `host-step`'s) freeze the heap once built, as a Serve replica's is once it
+    has started, so they measure the engine as a replica runs it."""
     monkeypatch.delenv(ENV, raising=False)
     before = [object()]  # a list is tracked; alive before the engine, so frozen with its heap
     assert tracked(before)
-    engine = Engine(model=tiny_model_dir, dtype="float32", max_model_len=128, num_kv_blocks=32)
+    engine = make_engine(Plan.dry(), tiny_model_dir, "float32", "cpu", "triton", True, max_num_seqs=2)
     assert gc.get_freeze_count() > 0
-    for obj in (before, engine, engine.scheduler, engine.runner, engine.outputs):
+    for obj in (before, engine, engine.scheduler, engine.runner, engine.runner.graphs, engine.outputs):
         assert not tracked(obj), type(obj).__name__
     later = [object()]  # what requests make afterwards is collected as usual
     assert tracked(later)
+
+
+def test_an_llm_leaves_the_users_heap_as_it_is(tiny_model_dir, monkeypatch) -> None:
+    """`LLM` runs in the user's own process: what the user made is theirs to have collected."""
+    monkeypatch.delenv(ENV, raising=False)
+    mine = [object()]
+    llm = LLM(tiny_model_dir, dtype="float32", max_model_len=128, num_kv_blocks=32)
+    assert tracked(mine) and tracked(llm.engine)
 
 
 def test_the_freeze_is_turned_off_by_the_environment(monkeypatch) -> None:
@@ -69,15 +81,16 @@ ENGINES = {
 
 @pytest.mark.parametrize("case", ENGINES)
 def test_a_dropped_engine_is_freed_without_the_collector(tiny_model_dir, monkeypatch, case) -> None:
-    """Frozen objects in a reference cycle are never collected, so an engine dropped after requests ran (an
-    `LLM` a notebook or a test replaces, the GPU check's engines one after another) must go by its references
-    alone, its KV cache and model with it: nothing in it may hold a cycle back to it."""
+    """Frozen objects in a reference cycle are never collected, so an engine dropped after requests ran in a
+    frozen process (the GPU check's engines one after another, a test's after a replica's start) must go by its
+    references alone, its KV cache and model with it: nothing in it may hold a cycle back to it."""
     monkeypatch.delenv(ENV, raising=False)
     options = dict(ENGINES[case])
     graphs = options.pop("graphs", False)
     llm = LLM(tiny_model_dir, dtype="float32", max_model_len=128, num_kv_blocks=32, max_num_seqs=4, **options)
     if graphs:
         llm.engine.runner.enable_decode_graphs(4, llm.engine.max_model_len, capture=detached_capture)
+    freeze_startup_heap()  # as a replica's start, a rank's and the GPU check's engines freeze it
     out = llm.generate(["hello there", [5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=6, temperature=0.0))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     del out

@@ -1,6 +1,8 @@
 """Waves of 256 requests x (128 prompt, 128 output tokens) through the host's path of a GPU's graph steps
 (`kvrelay bench host-step --host-only`'s engine: a tiny model's forward replaced by fixed logits, decode steps
 replayed from graphs by the eager stand-in, async scheduling), timing every garbage collection by generation.
+The numbers in gc_waves.txt were taken with the freeze at the end of `Engine.__init__` (where it was first put),
+the same point of the engine's start as here.
 
     KVRELAY_FREEZE_GC=0 .venv/bin/python docs/results/gc-freeze-20261207/gc_waves.py 60   # the heap not frozen
     .venv/bin/python docs/results/gc-freeze-20261207/gc_waves.py 60                       # frozen (the default)
@@ -16,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 os.environ["TRITON_INTERPRET"] = "1"
 from loadtest.host_step import BLOCK_SIZE, _prompts, host_only, write_model  # noqa: E402
 from workers.engine import Engine  # noqa: E402
+from workers.gc_heap import freeze_startup_heap  # noqa: E402
 from workers.model_loader import default_model_path  # noqa: E402
 from workers.output_processor import OutputKind  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
@@ -44,6 +47,7 @@ with tempfile.TemporaryDirectory() as tmp:
                     num_kv_blocks=batch * -(-mml // BLOCK_SIZE) + 16, num_speculative_tokens=0,
                     async_scheduling=True, attention_backend="triton")
     host_only(engine, batch)
+    freeze_startup_heap()  # as the GPU check's and host-step's engines do (KVRELAY_FREEZE_GC=0: nothing)
     prompts = _prompts(batch, plen, engine.vocab_size, engine.vocab_size // 2)
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
 
