@@ -253,7 +253,7 @@ def run_host_step(args: argparse.Namespace) -> int:
                         attention_backend="triton" if args.host_only else "auto")
         if args.host_only:
             host_only(engine, args.batch)
-        freeze_startup_heap()  # as a replica's heap is once it has started
+        frozen = freeze_startup_heap()  # as a replica's heap is once it has started (runs before 2026-12-07: not)
         # --host-only: prompts, like its tokens, from the vocabulary's upper half (whole characters: a prompt
         # ending inside one leaves the detokenizer its slower path, which text does not)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size,
@@ -277,7 +277,7 @@ def run_host_step(args: argparse.Namespace) -> int:
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
                "output_kind": kind.value, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
                "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "host_only": args.host_only,
-               "loadavg_1_5_15": load,
+               "loadavg_1_5_15": load, "gc_frozen_objects": frozen,
                "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}
     if args.out is not None:
         path = write_json(args.out / f"host-step-{time.strftime('%Y%m%d-%H%M%S')}.json", payload)

@@ -102,3 +102,4 @@ def test_host_only_runs_the_graph_path_without_the_model(tmp_path, default_model
     assert "median ms per decode step at batch 4" in capsys.readouterr().out
     report = json.loads(next(tmp_path.glob("host-step-*.json")).read_text())
     assert report["host_only"] and report["async_scheduling"] and advanced and set(advanced) == {4}
+    assert report["gc_frozen_objects"] > 0  # the heap frozen once the engine was built, as a replica's is
