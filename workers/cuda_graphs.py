@@ -106,6 +106,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.copied = 0  # elements of the last step's host-to-device copy
         self.steps_advanced = 0  # steps run by `advance`
+        self.blocks_advanced = 0  # block ids those steps' rows took, sent with them
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         d = self._dev
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
@@ -190,6 +191,7 @@ class DecodeGraphs:
             staged.copy_(torch.frombuffer(array("q", new_blocks), dtype=torch.long))
             pairs = staged.to(self.device, non_blocking=True).view(-1, 2)
             d.block_tables.view(-1).index_copy_(0, pairs[:, 0], pairs[:, 1])
+            self.blocks_advanced += len(new_blocks) // 2
         positions = d.positions[:n]
         positions += 1
         torch.add(positions, 1, out=d.seq_lens[:n])

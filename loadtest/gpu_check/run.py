@@ -178,7 +178,7 @@ def throughput(plan, model: str, vocab: int) -> dict:
 
 SECTIONS = ("triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
-            "sync_audit", "decode_profile", "pd_handoff", "tensor_parallel")
+            "sync_audit", "decode_profile", "pd_handoff", "random_workload", "tensor_parallel")
 
 
 # the sections whose engines launch the kernels with their default configs (before the sweeps change them)
@@ -213,8 +213,8 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     import torch
 
-    from loadtest.gpu_check import (attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile, sync_audit,
-                                    tensor_parallel, warmup)
+    from loadtest.gpu_check import (attention_sweep, greedy_parity, linear_sweep, pd_handoff, profile,
+                                    random_workload, sync_audit, tensor_parallel, warmup)
     from loadtest.gpu_check.kernel_parity import check_kernels
     from loadtest.gpu_check.plan import TOLERANCE
 
@@ -254,6 +254,7 @@ def run_checks(plan, model_dir: Path, on_done: Callable[[dict], None] | None = N
     section("sync_audit", lambda: sync_audit.audit(plan, model, vocab))
     section("decode_profile", lambda: profile.decode_profile(plan, model, vocab))
     section("pd_handoff", lambda: pd_handoff.check_pd(plan, model, vocab), pd_handoff.transport_available())
+    section("random_workload", lambda: random_workload.check(plan, model))
     section("tensor_parallel", lambda: tensor_parallel.check_tp(plan, model_dir, vocab),
             tensor_parallel.why_skipped(plan))
     return results
@@ -355,6 +356,12 @@ def summary(report: dict) -> str:
         if run.get("host"):
             top = ", ".join(f"{f['function']} {f['own_ms_per_step']:.2f}" for f in run["host"]["top_own_time"][:4])
             lines.append(f"    host (own ms/step): {top}")
+    for run in report["checks"].get("random_workload", {}).get("runs", []):
+        d = run["decode_path"]
+        lines.append(f"  random workload seed {run['seed']}: {run['requests']} requests ({run['aborted']} aborted), "
+                     f"{d['steps']} steps, {d['preemptions']} preemptions, {d['advanced_steps']} steps advanced "
+                     f"({d['blocks_advanced']} new blocks); "
+                     f"{run['mismatch_count']} requests differ from eager in turn")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["triton_warmup", "environment", "kernel_parity", "greedy_cpu_vs_device", "greedy_graphs_on_vs_off",
             "greedy_speculative_vs_plain", "aot_fidelity", "attention_sweep", "linear_sweep", "throughput",
-            "sync_audit", "decode_profile", "pd_handoff", "tensor_parallel"]
+            "sync_audit", "decode_profile", "pd_handoff", "random_workload", "tensor_parallel"]
 IMPORT_WITHOUT_RAY = """
 import sys
 sys.modules["ray"] = None  # a None entry makes `import ray` raise ImportError
@@ -24,7 +24,7 @@ sys.modules["pydantic"] = None
 import loadtest.gpu_check.run, loadtest.gpu_check.engines, loadtest.gpu_check.greedy_parity
 import loadtest.gpu_check.kernel_parity, loadtest.gpu_check.throughput, loadtest.gpu_check.pd_handoff
 import loadtest.gpu_check.attention_sweep, loadtest.gpu_check.linear_sweep, loadtest.gpu_check.timing
-import loadtest.gpu_check.sync_audit
+import loadtest.gpu_check.sync_audit, loadtest.gpu_check.random_workload
 import kernels.triton_attention, workers.cuda_graphs, workers.kv_transfer
 from loadtest.gpu_check.pd_handoff import transport_available
 transport_available()
@@ -146,6 +146,11 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert audit["status"] == "passed" and audit["async_scheduling"] and not audit["sync_debug_mode"]
     assert audit["decode"]["steps"] >= 1 and audit["other"]["steps"] >= 1
     assert audit["decode"]["synchronizing_calls"] == audit["other"]["synchronizing_calls"] == 0
+    # the random workload: the GPU's decode path (graphs replayed eagerly, async forced) against the torch
+    # backend in turn, every request's outputs the same, preempting and advancing steps
+    rw = checks["random_workload"]
+    assert rw["status"] == "passed" and rw["exercised"] and len(rw["runs"]) == 1
+    assert rw["runs"][0]["mismatch_count"] == 0 and rw["runs"][0]["decode_path"]["most_running"] > 8
     pd = checks["pd_handoff"]
     assert pd["status"] == "passed" and pd["tokens"] == pd["colocated_tokens"] or (
         pd["status"] == "skipped" and pd["reason"].startswith("cuda_ipc transport not available"))
