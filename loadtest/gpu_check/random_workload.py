@@ -106,7 +106,7 @@ def engine_options(shape: Shape) -> dict:
 
 def run(engine: Engine, reqs: list[Req], max_steps: int = 5000) -> tuple[dict[str, list], dict]:
     """Every delta each request reported, in order ((index, token ids, text, finish reason, stop reason,
-    logprobs)); and what the run did. Fails if a block is left out of the pool."""
+    logprobs)); and what the run did, the pool's usage after it included (0 when every block went back)."""
     got: dict[str, list] = {}
     waiting = list(reqs)
     step = most_running = 0
@@ -191,9 +191,9 @@ def check(plan, model: str, seeds: tuple[int, ...] = (1, 2)) -> dict:
     """The GPU check's section: on the plan's device, float32, the Triton backend, the decode path the engine
     takes there by default (graphs, async scheduling) against eager steps in turn, over each seed's workload.
     Passes if every request's outputs agree, every block is back in the pool, and the runs preempted and
-    advanced steps whose rows took new blocks on the device. The dry run on the CPU: one seed, the graphs replayed eagerly and async
-    forced, more requests running than the largest graph holds, and the torch backend for the reference
-    (Triton's interpreter would take five times as long)."""
+    advanced steps whose rows took new blocks on the device. The dry run on the CPU: one seed, the graphs
+    replayed eagerly and async forced, more requests running than the largest graph holds, and the torch
+    backend for the reference (Triton's interpreter would take five times as long)."""
     from loadtest.gpu_check.engines import release_memory
     from workers.config import EngineConfig
     from workers.cuda_graphs import eager_capture
