@@ -116,6 +116,40 @@ def test_which_requests_may_draft_is_decided_once_but_min_tokens_each_step():
     assert not Scheduler._may_speculate(r)
 
 
+def test_a_request_preempted_after_its_drafts_were_scheduled_comes_back_without_them():
+    """A drafting request that the same `schedule` preempts after giving it drafts (scheduled first, ranked
+    last, its drafts took the pool's last block and the next request needs one) gives its drafts back with its
+    blocks: re-admitted, it recomputes its tokens, and no draft rides along with them."""
+    from workers.kv_cache_manager import KVCacheManager
+    from workers.request import Request, RequestStatus
+    from workers.request_queue import make_request_queue
+    from workers.scheduler import Scheduler, SchedulerConfig
+
+    def request(rid: str, prompt: list[int], arrival: float, priority: int) -> Request:
+        return Request(rid, prompt, SamplingParams(temperature=0, max_tokens=20), max_tokens=20, arrival_time=arrival,
+                       priority=priority)
+
+    config = SchedulerConfig(8, 64, True, 64, num_speculative_tokens=4)
+    sched = Scheduler(config, KVCacheManager(4, 4, False), make_request_queue("priority"))
+    low = request("low", [1, 2, 3, 4, 5, 6, 7], 0.0, priority=5)
+    sched.add_request(low)
+    out = sched.schedule()  # its prompt: 2 blocks
+    sched.update_from_output(out, [1])  # ... 7, 1: no earlier match, no drafts
+    hi = request("hi", [10, 11, 12, 13], 1.0, priority=0)
+    sched.add_request(hi)
+    out = sched.schedule()  # low's token (block 2), hi's prompt (a 3rd block): one block left
+    assert out.requests == [low, hi] and not low.spec_token_ids
+    sched.update_from_output(out, [2, 14])  # low: ... 1, 2 matches its start: drafts 3, 4, ...
+    out = sched.schedule()  # low's drafts take the last block; hi needs one: low, ranked last, goes
+    assert out.preempted == [low] and out.requests == [hi] and out.num_new_tokens == [1]
+    assert low.status is RequestStatus.PREEMPTED and low.block_ids == [] and low.spec_token_ids == []
+    sched.update_from_output(out, [15])
+    sched.finish_requests([hi], RequestStatus.FINISHED_ABORTED)
+    out = sched.schedule()  # low again: its 9 tokens, nothing more
+    assert out.requests == [low] and out.num_new_tokens == [9] and low.spec_token_ids == []
+    assert out.total_num_tokens == 9
+
+
 def test_accept_drafts_keeps_the_agreeing_prefix_and_the_models_next_token():
     out = SampleOutput([10, 11, 99, 12, 5, 20, 21], [None] * 7)
     folded = accept_drafts(out, ["a", "a", "a", "a", "b", "c", "c"], [[10, 11, 13], [], [20]])
