@@ -39,7 +39,6 @@ BACKGROUND_FILES = frozenset({
     "tests/loadtest/test_gpu_check.py",
     "tests/loadtest/test_gpu_check_sweeps.py",
     "tests/workers/test_device.py",
-    "tests/workers/test_gpu_path_randomized.py",
     "tests/workers/test_kernel_variants.py",
     # kernels and the tiny random-weight model against references (no time measured, little memory: a run's
     # late server tests leave Ray's memory monitor little room, and engines of the default model here once

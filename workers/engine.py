@@ -147,6 +147,11 @@ class Engine:
         self._inflight: InFlight | None = None
         self._ahead = RunAhead(self.scheduler, self.runner, self.structured)
 
+    @property
+    def steps_queued_ahead(self) -> int:
+        """Decode steps queued on the device behind the one in flight so far (`async_scheduling`)."""
+        return self._ahead.steps_queued
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks, if any (a local model needs nothing)."""
         self.runner.close()

@@ -34,6 +34,7 @@ class InFlight:
 class RunAhead:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, structured: StructuredOutputManager) -> None:
         self.scheduler, self.runner, self.structured = scheduler, runner, structured
+        self.steps_queued = 0  # steps queued behind the one in flight (`run_ahead`)
 
     def launch(self, sched: SchedulerOutput) -> InFlight | None:
         """`sched` queued on the device without waiting, if it is a decode-only step without drafts that may
@@ -71,4 +72,5 @@ class RunAhead:
         except Exception:
             logger.debug("step not queued ahead; running it in turn", exc_info=True)
             return None
+        self.steps_queued += 1
         return InFlight(sched, pending, checked=True)

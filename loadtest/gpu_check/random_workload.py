@@ -10,15 +10,22 @@ On a GPU it is the one place where a buffer the host reuses while a copy from it
 (the CPU runs every step as it is queued); on the CPU (`tests/workers/test_gpu_path_randomized.py`, the dry run)
 the same bookkeeping runs with the graphs replayed by `eager_capture`.
 
+With speculation as the engine serves by default (n-gram drafts for greedy requests while no more run than
+the largest graph holds with their drafts, steps queued ahead above that), the same path alternates between
+steps that verify drafts in turn and steps queued ahead as requests arrive, end and are preempted: a second
+decode path, over a workload of its own (`SPECULATIVE_KINDS`) against its own reference. A random-weight model
+with small weights repeats a token for a while, so its lookups find drafts, most kept and some refused.
+
 What must hold: a request that is not aborted gets the same completions (tokens, text, finish and stop
 reasons, logprobs within 1e-3); an aborted one gets a prefix of the same tokens, give or take the one step by
-which running ahead moves an abort (under preemption the two schedules differ); every block goes back to the
-pool. Sampled requests keep to the top 20 tokens: a random-weight model spreads its probability thin across its
-vocabulary, where two paths' float32 rounding (a graph's padded batch, another kernel) moves a draw to the
-neighbouring token."""
+which running ahead moves an abort (under preemption the two schedules differ; speculating, a step makes up to
+5 tokens, so only the prefix is checked); every block goes back to the pool. Sampled requests keep to the top
+20 tokens: a random-weight model spreads its probability thin across its vocabulary, where two paths' float32
+rounding (a graph's padded batch, another kernel) moves a draw to the neighbouring token."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -28,6 +35,9 @@ from workers.output_processor import OutputKind
 from workers.sampling_params import SamplingParams
 
 KINDS = ("greedy", "greedy", "seeded", "logprobs", "penalties", "stop_string", "min_tokens", "n2")
+# with speculation: more plain greedy requests (the ones that draft), and none with penalties (a request
+# that reads its token history keeps every step of its batch from being queued ahead)
+SPECULATIVE_KINDS = ("greedy", "greedy", "greedy", "greedy", "seeded", "logprobs", "stop_string", "min_tokens", "n2")
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,10 @@ CPU_SHAPE = Shape(block_size=4, num_kv_blocks=36, max_model_len=64, max_num_batc
 # the engine's blocks of 16, a pool of 576 tokens for 24 requests of ~75 arriving over 16 steps
 GPU_SHAPE = Shape(block_size=16, num_kv_blocks=36, max_model_len=256, max_num_batched_tokens=128, requests=24,
                   shared_prefix=48, own_tokens=40, max_tokens=60, arrive_within=16, abort_within=40)
+# with speculation: longer outputs (a greedy request drafts once it repeats itself) in a pool a third larger
+# (steps are queued ahead only while no request waits, and preempted ones wait)
+CPU_SPECULATIVE_SHAPE = dataclasses.replace(CPU_SHAPE, num_kv_blocks=48, max_tokens=30)
+GPU_SPECULATIVE_SHAPE = dataclasses.replace(GPU_SHAPE, num_kv_blocks=48)
 
 
 @dataclass(frozen=True)
@@ -84,24 +98,27 @@ def _params(rng: random.Random, kind: str, n: int) -> SamplingParams:
     raise ValueError(f"unknown request kind {kind!r}")
 
 
-def workload(seed: int, shape: Shape) -> list[Req]:
+def workload(seed: int, shape: Shape, kinds: tuple[str, ...] = KINDS) -> list[Req]:
     rng = random.Random(seed)
     shared = [rng.randrange(50, 1000) for _ in range(shape.shared_prefix)]
     reqs = []
     for i in range(shape.requests):
         prefix = shared[:rng.choice([0, 1, 2, 3]) * shape.shared_prefix // 3]
         prompt = prefix + [rng.randrange(50, 1000) for _ in range(rng.randrange(1, shape.own_tokens + 1))]
-        params = _params(rng, rng.choice(KINDS), rng.randrange(3, shape.max_tokens + 1))
+        params = _params(rng, rng.choice(kinds), rng.randrange(3, shape.max_tokens + 1))
         arrive = rng.randrange(0, shape.arrive_within)
         abort = arrive + rng.randrange(2, shape.abort_within + 1) if rng.random() < 0.25 else None
         reqs.append(Req(f"r{i}", prompt, params, arrive, abort))
     return reqs
 
 
-def engine_options(shape: Shape) -> dict:
+SPECULATIVE_TOKENS = 4  # the serving default
+
+
+def engine_options(shape: Shape, speculative_tokens: int = 0) -> dict:
     return dict(dtype="float32", num_kv_blocks=shape.num_kv_blocks, block_size=shape.block_size,
                 max_model_len=shape.max_model_len, max_num_batched_tokens=shape.max_num_batched_tokens,
-                num_speculative_tokens=0, enable_prefix_caching=True)
+                num_speculative_tokens=speculative_tokens, enable_prefix_caching=True)
 
 
 def run(engine: Engine, reqs: list[Req], max_steps: int = 5000) -> tuple[dict[str, list], dict]:
@@ -127,8 +144,10 @@ def run(engine: Engine, reqs: list[Req], max_steps: int = 5000) -> tuple[dict[st
             raise RuntimeError(f"the workload did not end in {max_steps} steps")
     graphs = engine.runner.graphs
     ran = {"steps": step, "preemptions": engine.scheduler.num_preemptions, "most_running": most_running,
+           "steps_queued_ahead": engine.steps_queued_ahead,
            "advanced_steps": graphs.steps_advanced if graphs is not None else 0,
            "blocks_advanced": graphs.blocks_advanced if graphs is not None else 0,
+           "drafts": engine.scheduler.num_draft_tokens, "drafts_kept": engine.scheduler.num_accepted_tokens,
            "async_scheduling": engine.async_scheduling, "graphs": graphs is not None,
            "kv_usage_after": engine.kv_cache.usage}
     return got, ran
@@ -164,69 +183,101 @@ def same(a: list | None, b: list | None) -> bool:
         all(ca[i][k] == cb[i][k] for k in plain) and _same_logprobs(ca[i]["logprobs"], cb[i]["logprobs"]) for i in ca)
 
 
-def consistent_abort(a: list | None, b: list | None) -> bool:
-    """The same tokens up to the shorter, each completion at most one token apart."""
+def consistent_abort(a: list | None, b: list | None, slack: int | None = 1) -> bool:
+    """The same tokens up to the shorter, each completion at most `slack` tokens apart (None: any)."""
     ca, cb = completions(a), completions(b)
     for i in set(ca) | set(cb):
         x, y = ca.get(i, {}).get("tokens", []), cb.get(i, {}).get("tokens", [])
         n = min(len(x), len(y))
-        if x[:n] != y[:n] or abs(len(x) - len(y)) > 1:
+        if x[:n] != y[:n] or (slack is not None and abs(len(x) - len(y)) > slack):
             return False
     return True
 
 
-def compare(reqs: list[Req], reference: dict[str, list], got: dict[str, list]) -> list[dict]:
-    """The requests whose outputs differ as they must not: each with its kind of check and both completions."""
+def compare(reqs: list[Req], reference: dict[str, list], got: dict[str, list],
+            abort_slack: int | None = 1) -> list[dict]:
+    """The requests whose outputs differ as they must not: each with its kind of check and both completions
+    (`abort_slack`: how many tokens an aborted request's completions may differ by, None for any)."""
     bad = []
     for r in reqs:
         a, b = reference.get(r.rid), got.get(r.rid)
-        ok = consistent_abort(a, b) if r.abort is not None else same(a, b)
+        ok = consistent_abort(a, b, abort_slack) if r.abort is not None else same(a, b)
         if not ok:
             bad.append({"request": r.rid, "aborted": r.abort is not None, "params": repr(r.params),
                         "reference": completions(a), "got": completions(b)})
     return bad
 
 
+# what each decode path runs: a workload's request kinds and shape (CPU, GPU), and on the CPU its largest graph:
+# 8 rows for the plain path (more requests run than that, so eager steps come between graph steps), 24 with
+# speculation, whose default limit that sets (4 requests, with 4 drafts each)
+VARIANTS = {"decode_path": (KINDS, CPU_SHAPE, GPU_SHAPE, 8),
+            "speculating": (SPECULATIVE_KINDS, CPU_SPECULATIVE_SHAPE, GPU_SPECULATIVE_SHAPE, 24)}
+
+
+def engine_config(plan, model: str, variant: str, reference: bool = False):
+    """The decode path `variant` runs on the plan's device, float32, or its reference: eager steps in turn, no
+    speculation (on the CPU the torch backend: Triton's interpreter would take five times as long). The decode
+    path: the engine's default on a GPU (graphs, async scheduling), without speculation, or speculating with
+    the serving default's drafts and the limit the engine sets from its largest graph
+    (`default_speculation_limit`); on the CPU async scheduling forced and that limit given, for the largest
+    graph `VARIANTS` names."""
+    from workers.config import EngineConfig, default_speculation_limit
+
+    _, cpu_shape, gpu_shape, cpu_graph = VARIANTS[variant]
+    shape = cpu_shape if plan.dry_run else gpu_shape
+    drafts = SPECULATIVE_TOKENS if variant == "speculating" and not reference else 0
+    # graphs up to 32 rows on the GPU (the engine's ladder up to `max_num_seqs`)
+    config = EngineConfig(model=model, device=plan.device, attention_backend="torch" if plan.dry_run and reference
+                          else "triton", enforce_eager=reference, max_num_seqs=32,
+                          async_scheduling=False if reference else None, **engine_options(shape, drafts))
+    if plan.dry_run and not reference:
+        limit = default_speculation_limit(config, cpu_graph)
+        config = dataclasses.replace(config, async_scheduling=True, speculative_disable_by_batch_size=limit)
+    return config
+
+
 def check(plan, model: str, seeds: tuple[int, ...] = (1, 2)) -> dict:
     """The GPU check's section: on the plan's device, float32, the Triton backend, the decode path the engine
-    takes there by default (graphs, async scheduling) against eager steps in turn, over each seed's workload.
-    Passes if every request's outputs agree, every block is back in the pool, and the runs preempted and
-    advanced steps whose rows took new blocks on the device. The dry run on the CPU: one seed, the graphs
-    replayed eagerly and async forced, more requests running than the largest graph holds, and the torch
-    backend for the reference (Triton's interpreter would take five times as long)."""
+    takes there by default (graphs, async scheduling), without speculation and with it, each against eager
+    steps in turn over each seed's workload. Passes if every request's outputs agree, every block is back in
+    the pool, and the runs preempted, advanced steps whose rows took new blocks on the device, and, speculating,
+    kept drafts and queued steps ahead. The dry run on the CPU: one seed, the graphs replayed eagerly and async
+    forced."""
     from loadtest.gpu_check.engines import release_memory
-    from workers.config import EngineConfig
     from workers.cuda_graphs import eager_capture
 
-    shape = CPU_SHAPE if plan.dry_run else GPU_SHAPE
-    seeds = (2,) if plan.dry_run else seeds  # (the CPU's seed 2: 16 preemptions, 10 steps advanced with 9 blocks)
+    # on the CPU, seed 2: 16 preemptions, 10 steps advanced with 9 blocks; speculating, seed 1: 8 drafts kept,
+    # 7 steps queued ahead, 7 preemptions
+    dry_seeds = {"decode_path": 2, "speculating": 1}
     runs = []
-    for seed in seeds:
-        reqs = workload(seed, shape)
-        results = {}
-        for name, fast in (("reference", False), ("decode_path", True)):
-            backend = "torch" if plan.dry_run and not fast else "triton"
-            ahead = (True if plan.dry_run else None) if fast else False  # None: the engine's default (on)
-            # graphs up to 32 rows on the GPU (the engine's ladder up to `max_num_seqs`); on the CPU up to 8, so
-            # that steps too large for them run eagerly between graph steps
-            config = EngineConfig(model=model, device=plan.device, attention_backend=backend, enforce_eager=not fast,
-                                  max_num_seqs=32, async_scheduling=ahead, **engine_options(shape))
-            engine = Engine(config)
-            if fast and engine.device.type == "cpu":
-                engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=eager_capture)
-            results[name] = run(engine, reqs)
-            del engine
-            release_memory()
-        (reference, ran_ref), (got, ran) = results["reference"], results["decode_path"]
-        mismatches = compare(reqs, reference, got)
-        runs.append({"seed": seed, "requests": len(reqs), "aborted": sum(r.abort is not None for r in reqs),
-                     "reference": ran_ref, "decode_path": ran, "mismatches": mismatches[:5],
-                     "mismatch_count": len(mismatches)})
-    passed = all(r["mismatch_count"] == 0 and r["reference"]["kv_usage_after"] == 0
-                 and r["decode_path"]["kv_usage_after"] == 0 for r in runs)
-    # the runs together preempted, and advanced steps whose rows took new blocks
-    exercised = (all(r["decode_path"]["graphs"] and r["decode_path"]["async_scheduling"] for r in runs)
+    for seed in seeds if not plan.dry_run else (None,):
+        entry: dict = {"seed": seed}
+        for variant, (kinds, cpu_shape, gpu_shape, cpu_graph) in VARIANTS.items():
+            wseed, shape = (dry_seeds[variant], cpu_shape) if plan.dry_run else (seed, gpu_shape)
+            reqs = workload(wseed, shape, kinds)
+            results = []
+            for reference in (True, False):
+                engine = Engine(engine_config(plan, model, variant, reference))
+                if not reference and engine.device.type == "cpu":
+                    engine.runner.enable_decode_graphs(cpu_graph, engine.max_model_len, capture=eager_capture)
+                results.append(run(engine, reqs))
+                del engine
+                release_memory()
+            (reference_got, reference_ran), (got, ran) = results
+            # speculating, a request makes up to 5 tokens a step: an aborted one may end that much further on
+            mismatches = compare(reqs, reference_got, got, abort_slack=None if variant == "speculating" else 1)
+            entry[variant] = {"seed": wseed, "shape": dataclasses.asdict(shape), "requests": len(reqs),
+                              "aborted": sum(r.abort is not None for r in reqs), **ran, "reference": reference_ran,
+                              "mismatches": mismatches[:5], "mismatch_count": len(mismatches)}
+        runs.append(entry)
+    passed = all(r[v]["mismatch_count"] == 0 and r[v]["kv_usage_after"] == 0
+                 and r[v]["reference"]["kv_usage_after"] == 0 for r in runs for v in VARIANTS)
+    # the runs together preempted, advanced steps whose rows took new blocks, and, speculating, kept drafts and
+    # queued steps ahead (while more requests ran than the limit)
+    exercised = (all(r[v]["graphs"] and r[v]["async_scheduling"] for r in runs for v in VARIANTS)
                  and sum(r["decode_path"]["preemptions"] for r in runs) > 0
-                 and sum(r["decode_path"]["blocks_advanced"] for r in runs) > 0)
-    return {"passed": passed and exercised, "exercised": exercised, "dtype": "float32", "shape": shape.__dict__,
-            "runs": runs}
+                 and sum(r["decode_path"]["blocks_advanced"] for r in runs) > 0
+                 and sum(r["speculating"]["drafts_kept"] for r in runs) > 0
+                 and sum(r["speculating"]["steps_queued_ahead"] for r in runs) > 0)
+    return {"passed": passed and exercised, "exercised": exercised, "dtype": "float32", "runs": runs}

@@ -357,11 +357,13 @@ def summary(report: dict) -> str:
             top = ", ".join(f"{f['function']} {f['own_ms_per_step']:.2f}" for f in run["host"]["top_own_time"][:4])
             lines.append(f"    host (own ms/step): {top}")
     for run in report["checks"].get("random_workload", {}).get("runs", []):
-        d = run["decode_path"]
-        lines.append(f"  random workload seed {run['seed']}: {run['requests']} requests ({run['aborted']} aborted), "
+        d, s = run["decode_path"], run["speculating"]
+        lines.append(f"  random workload seed {d['seed']}: {d['requests']} requests ({d['aborted']} aborted), "
                      f"{d['steps']} steps, {d['preemptions']} preemptions, {d['advanced_steps']} steps advanced "
-                     f"({d['blocks_advanced']} new blocks); "
-                     f"{run['mismatch_count']} requests differ from eager in turn")
+                     f"({d['blocks_advanced']} new blocks); {d['mismatch_count']} requests differ from eager in turn")
+        lines.append(f"    speculating, seed {s['seed']}: {s['requests']} requests ({s['aborted']} aborted), "
+                     f"{s['steps']} steps, {s['drafts_kept']} of {s['drafts']} drafts kept, {s['steps_queued_ahead']} "
+                     f"steps queued ahead, {s['preemptions']} preemptions; {s['mismatch_count']} requests differ")
     return "\n".join(lines)
 
 

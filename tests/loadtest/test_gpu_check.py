@@ -146,11 +146,14 @@ def test_dry_run_completes_and_every_check_passes(tmp_path):
     assert audit["status"] == "passed" and audit["async_scheduling"] and not audit["sync_debug_mode"]
     assert audit["decode"]["steps"] >= 1 and audit["other"]["steps"] >= 1
     assert audit["decode"]["synchronizing_calls"] == audit["other"]["synchronizing_calls"] == 0
-    # the random workload: the GPU's decode path (graphs replayed eagerly, async forced) against the torch
-    # backend in turn, every request's outputs the same, preempting and advancing steps
+    # the random workload: the GPU's decode path (graphs replayed eagerly, async forced), without speculation
+    # and with it, against the torch backend in turn, every request's outputs the same, preempting and
+    # advancing steps, keeping drafts and queuing steps ahead
     rw = checks["random_workload"]
     assert rw["status"] == "passed" and rw["exercised"] and len(rw["runs"]) == 1
-    assert rw["runs"][0]["mismatch_count"] == 0 and rw["runs"][0]["decode_path"]["most_running"] > 8
+    plain, speculating = rw["runs"][0]["decode_path"], rw["runs"][0]["speculating"]
+    assert plain["mismatch_count"] == speculating["mismatch_count"] == 0 and plain["most_running"] > 8
+    assert plain["drafts"] == 0 and speculating["drafts_kept"] > 0 and speculating["steps_queued_ahead"] > 0
     pd = checks["pd_handoff"]
     assert pd["status"] == "passed" and pd["tokens"] == pd["colocated_tokens"] or (
         pd["status"] == "skipped" and pd["reason"].startswith("cuda_ipc transport not available"))

@@ -2,13 +2,17 @@
 whose docstring says what must hold): here on the CPU, the Triton backend in its interpreter and the decode
 graphs replayed by `eager_capture`, with more requests running than the largest graph holds (eager steps
 between graph steps), blocks of 4 tokens and a pool too small for the workload. The reference is the torch
-backend, eager and in turn."""
+backend, eager and in turn. Then the same path speculating as the engine serves by default (drafts while few
+requests run, steps queued ahead while more do)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.gpu_check.random_workload import CPU_SHAPE, compare, engine_options, run, workload
+from conftest import write_tiny_model
+from loadtest.gpu_check.plan import Plan
+from loadtest.gpu_check.random_workload import (CPU_SHAPE, CPU_SPECULATIVE_SHAPE, SPECULATIVE_KINDS, VARIANTS, compare,
+                                                engine_config, engine_options, run, workload)
 from workers.cuda_graphs import eager_capture
 from workers.engine import Engine
 
@@ -39,3 +43,30 @@ def test_random_workloads_through_the_gpus_decode_path_give_the_plain_engines_ou
     # the run exercised what it is for
     assert ran["preemptions"] > 0 and ran["blocks_advanced"] > 0 and ran["most_running"] > MAX_GRAPH_BATCH, ran
     assert compare(reqs, reference, got) == []
+
+
+@pytest.fixture(scope="module")
+def repeating_model_dir(tmp_path_factory, default_model_dir) -> str:
+    """Small random weights: the model repeats a token for a while, then moves to another, so n-gram lookups
+    find drafts, most kept and some refused (the tiny model's larger weights never repeat, so never draft)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-repeating"), default_model_dir, initializer_range=0.05)
+
+
+# seeds whose runs keep drafts and refuse some, queue steps ahead (more requests running than the limit) and
+# preempt
+@pytest.mark.parametrize("seed", [1])
+def test_random_workloads_through_the_gpus_decode_path_speculating_give_the_plain_engines_outputs(
+        repeating_model_dir, seed):
+    plan, largest_graph = Plan.dry(), VARIANTS["speculating"][3]
+    reqs = workload(seed, CPU_SPECULATIVE_SHAPE, SPECULATIVE_KINDS)
+    reference, _ = run(Engine(engine_config(plan, repeating_model_dir, "speculating", reference=True)), reqs)
+    engine = Engine(engine_config(plan, repeating_model_dir, "speculating"))
+    # the limit the engine sets from its largest graph on a GPU: as many requests as it holds with their drafts
+    assert engine.scheduler.config.speculative_disable_by_batch_size == largest_graph // 5
+    engine.runner.enable_decode_graphs(max_batch=largest_graph, max_model_len=engine.max_model_len,
+                                       capture=eager_capture)
+    got, ran = run(engine, reqs)
+    assert ran["kv_usage_after"] == 0
+    assert 0 < ran["drafts_kept"] < ran["drafts"] and ran["steps_queued_ahead"] > 0 and ran["preemptions"] > 0, ran
+    # an aborted request may be a few tokens further on (a step makes up to 5): compared up to the shorter
+    assert compare(reqs, reference, got, abort_slack=None) == []
