@@ -73,6 +73,13 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def repeating_model_dir(tmp_path_factory, default_model_dir) -> str:
+    """Small random weights: the model repeats a token for a while, then moves to another, so n-gram lookups
+    find drafts, most kept and some refused (`tiny_model_dir`'s larger weights never repeat, so never draft)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-repeating"), default_model_dir, initializer_range=0.05)
+
+
+@pytest.fixture(scope="session")
 def hf_model(default_model_dir):
     """The reference: a plain transformers LlamaForCausalLM on the same dense weights, float32."""
     from transformers import LlamaForCausalLM

@@ -75,6 +75,7 @@ class Req:
     params: SamplingParams
     arrive: int  # the step before which it is added
     abort: int | None  # the step before which it is aborted, or never
+    priority: int = 0  # under the priority policy (lower first)
 
 
 def _params(rng: random.Random, kind: str, n: int) -> SamplingParams:
@@ -98,7 +99,8 @@ def _params(rng: random.Random, kind: str, n: int) -> SamplingParams:
     raise ValueError(f"unknown request kind {kind!r}")
 
 
-def workload(seed: int, shape: Shape, kinds: tuple[str, ...] = KINDS) -> list[Req]:
+def workload(seed: int, shape: Shape, kinds: tuple[str, ...] = KINDS, priorities: int = 1) -> list[Req]:
+    """`shape.requests` requests of `kinds`, each with a priority in `range(priorities)`."""
     rng = random.Random(seed)
     shared = [rng.randrange(50, 1000) for _ in range(shape.shared_prefix)]
     reqs = []
@@ -108,7 +110,8 @@ def workload(seed: int, shape: Shape, kinds: tuple[str, ...] = KINDS) -> list[Re
         params = _params(rng, rng.choice(kinds), rng.randrange(3, shape.max_tokens + 1))
         arrive = rng.randrange(0, shape.arrive_within)
         abort = arrive + rng.randrange(2, shape.abort_within + 1) if rng.random() < 0.25 else None
-        reqs.append(Req(f"r{i}", prompt, params, arrive, abort))
+        priority = rng.randrange(priorities) if priorities > 1 else 0
+        reqs.append(Req(f"r{i}", prompt, params, arrive, abort, priority))
     return reqs
 
 
@@ -129,7 +132,8 @@ def run(engine: Engine, reqs: list[Req], max_steps: int = 5000) -> tuple[dict[st
     step = most_running = 0
     while waiting or engine.has_unfinished_requests():
         for r in [r for r in waiting if r.arrive <= step]:
-            engine.add_request(r.rid, None, r.params, prompt_token_ids=r.prompt, output_kind=OutputKind.DELTA)
+            engine.add_request(r.rid, None, r.params, prompt_token_ids=r.prompt, output_kind=OutputKind.DELTA,
+                               priority=r.priority)
             waiting.remove(r)
         engine.abort_request([r.rid for r in reqs if r.abort == step])
         most_running = max(most_running, len(engine.scheduler.running))
@@ -208,11 +212,26 @@ def compare(reqs: list[Req], reference: dict[str, list], got: dict[str, list],
     return bad
 
 
-# what each decode path runs: a workload's request kinds and shape (CPU, GPU), and on the CPU its largest graph:
-# 8 rows for the plain path (more requests run than that, so eager steps come between graph steps), 24 with
-# speculation, whose default limit that sets (4 requests, with 4 drafts each)
-VARIANTS = {"decode_path": (KINDS, CPU_SHAPE, GPU_SHAPE, 8),
-            "speculating": (SPECULATIVE_KINDS, CPU_SPECULATIVE_SHAPE, GPU_SPECULATIVE_SHAPE, 24)}
+@dataclass(frozen=True)
+class Variant:
+    """What a decode path runs: its workload's request kinds, shape (on the CPU and on a GPU), scheduling
+    policy and number of priorities, and on the CPU its largest graph."""
+
+    kinds: tuple[str, ...]
+    cpu_shape: Shape
+    gpu_shape: Shape
+    cpu_graph: int
+    policy: str = "fcfs"
+    priorities: int = 1
+
+
+# the plain path: graphs of up to 8 rows on the CPU (more requests run than that, so eager steps come between
+# graph steps). Speculating: up to 24 on the CPU, which sets the default limit (4 requests, with 4 drafts each);
+# and priorities, under which the request a later one's block preempts is more often one the same `schedule`
+# has already given drafts (first come, first served preempts the latest to arrive, seldom such a one)
+VARIANTS = {"decode_path": Variant(KINDS, CPU_SHAPE, GPU_SHAPE, 8),
+            "speculating": Variant(SPECULATIVE_KINDS, CPU_SPECULATIVE_SHAPE, GPU_SPECULATIVE_SHAPE, 24,
+                                   policy="priority", priorities=3)}
 
 
 def engine_config(plan, model: str, variant: str, reference: bool = False):
@@ -224,15 +243,16 @@ def engine_config(plan, model: str, variant: str, reference: bool = False):
     graph `VARIANTS` names."""
     from workers.config import EngineConfig, default_speculation_limit
 
-    _, cpu_shape, gpu_shape, cpu_graph = VARIANTS[variant]
-    shape = cpu_shape if plan.dry_run else gpu_shape
+    v = VARIANTS[variant]
+    shape = v.cpu_shape if plan.dry_run else v.gpu_shape
     drafts = SPECULATIVE_TOKENS if variant == "speculating" and not reference else 0
     # graphs up to 32 rows on the GPU (the engine's ladder up to `max_num_seqs`)
     config = EngineConfig(model=model, device=plan.device, attention_backend="torch" if plan.dry_run and reference
                           else "triton", enforce_eager=reference, max_num_seqs=32,
-                          async_scheduling=False if reference else None, **engine_options(shape, drafts))
+                          async_scheduling=False if reference else None, scheduling_policy=v.policy,
+                          **engine_options(shape, drafts))
     if plan.dry_run and not reference:
-        limit = default_speculation_limit(config, cpu_graph)
+        limit = default_speculation_limit(config, v.cpu_graph)
         config = dataclasses.replace(config, async_scheduling=True, speculative_disable_by_batch_size=limit)
     return config
 
@@ -247,28 +267,29 @@ def check(plan, model: str, seeds: tuple[int, ...] = (1, 2)) -> dict:
     from loadtest.gpu_check.engines import release_memory
     from workers.cuda_graphs import eager_capture
 
-    # on the CPU, seed 2: 16 preemptions, 10 steps advanced with 9 blocks; speculating, seed 1: 8 drafts kept,
-    # 7 steps queued ahead, 7 preemptions
+    # on the CPU, seed 2: 16 preemptions, 10 steps advanced with 9 blocks; speculating, seed 1: 5 drafts kept,
+    # 7 steps queued ahead, 9 preemptions
     dry_seeds = {"decode_path": 2, "speculating": 1}
     runs = []
     for seed in seeds if not plan.dry_run else (None,):
         entry: dict = {"seed": seed}
-        for variant, (kinds, cpu_shape, gpu_shape, cpu_graph) in VARIANTS.items():
-            wseed, shape = (dry_seeds[variant], cpu_shape) if plan.dry_run else (seed, gpu_shape)
-            reqs = workload(wseed, shape, kinds)
+        for variant, v in VARIANTS.items():
+            wseed, shape = (dry_seeds[variant], v.cpu_shape) if plan.dry_run else (seed, v.gpu_shape)
+            reqs = workload(wseed, shape, v.kinds, v.priorities)
             results = []
             for reference in (True, False):
                 engine = Engine(engine_config(plan, model, variant, reference))
                 if not reference and engine.device.type == "cpu":
-                    engine.runner.enable_decode_graphs(cpu_graph, engine.max_model_len, capture=eager_capture)
+                    engine.runner.enable_decode_graphs(v.cpu_graph, engine.max_model_len, capture=eager_capture)
                 results.append(run(engine, reqs))
                 del engine
                 release_memory()
             (reference_got, reference_ran), (got, ran) = results
             # speculating, a request makes up to 5 tokens a step: an aborted one may end that much further on
             mismatches = compare(reqs, reference_got, got, abort_slack=None if variant == "speculating" else 1)
-            entry[variant] = {"seed": wseed, "shape": dataclasses.asdict(shape), "requests": len(reqs),
-                              "aborted": sum(r.abort is not None for r in reqs), **ran, "reference": reference_ran,
+            entry[variant] = {"seed": wseed, "shape": dataclasses.asdict(shape), "policy": v.policy,
+                              "requests": len(reqs), "aborted": sum(r.abort is not None for r in reqs), **ran,
+                              "reference": reference_ran,
                               "mismatches": mismatches[:5], "mismatch_count": len(mismatches)}
         runs.append(entry)
     passed = all(r[v]["mismatch_count"] == 0 and r[v]["kv_usage_after"] == 0
