@@ -208,7 +208,8 @@ def sweep(plan: Plan, repeats: int = 50) -> dict:
     at_batch = by_rows[plan.batch]
     good = [r for r in at_batch["configs"] if r.get("ok")]
     best = min(good, key=lambda r: r["us"]) if good else None
-    if best is not None and best["us"] * APPLY_GAIN <= at_batch["separate_us"]:
+    # a dry run's timings (each one call, in Triton's interpreter) decide nothing, as in the other sweeps
+    if best is not None and best["us"] * APPLY_GAIN <= at_batch["separate_us"] and not plan.dry_run:
         choice = best["config"]
     else:
         choice = None
