@@ -21,7 +21,7 @@ from workers.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from workers.huge_pages import zeros_on_huge_pages
 from workers.models.llama import LlamaForCausalLM
 from workers.ngram import accept_drafts
-from workers.penalties import device_tensor
+from workers.penalties import TokenCounts, device_tensor
 from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
 from workers.sampler import PendingSample, RowBitmask, SampleOutput, launch_greedy, launch_sample
@@ -59,6 +59,7 @@ class ModelRunner:
                                             dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(a.num_layers)]
         self.generators: dict[str, torch.Generator] = {}
+        self.token_counts = TokenCounts()  # penalized requests' token counts, kept on the device
         self.graphs: DecodeGraphs | None = None
         self._graph_step: _GraphStep | None = None  # the last step queued from a graph (`launch_ahead`)
         self._replayed = False  # whether the last forward pass replayed a graph
@@ -113,9 +114,10 @@ class ModelRunner:
         """Nothing to stop (see `TPModelRunner.close`)."""
 
     def release(self, request_ids: list[str]) -> None:
-        """Forget finished requests' seeded generators and grammar matchers."""
+        """Forget finished requests' seeded generators, token counts and grammar matchers."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+        self.token_counts.release(request_ids)
         if self.structured is not None:
             self.structured.release(request_ids)
 
@@ -184,13 +186,13 @@ class ModelRunner:
         if rows is None and last is not None and last.pending is after:
             logits = self._advance(reqs, after, last.blocks)
             if logits is not None:  # the same requests sample with the same specs (fixed once set)
-                pending = self._sample(logits, last.specs, defer=True, plain=last.plain)
+                pending = self._sample(logits, last.specs, defer=True, plain=last.plain, inflight=after.tokens)
                 self._graph_step = _GraphStep(pending, last.blocks, last.specs, last.plain)
                 return pending
         step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
         ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
         logits, _ = self._forward_step(step, ids)
-        return self._launched(reqs, step.samples, self._sample(logits, step.samples, defer=True))
+        return self._launched(reqs, step.samples, self._sample(logits, step.samples, defer=True, inflight=ids))
 
     def _launched(self, reqs: list[Request], specs: list[SampleSpec], pending: PendingSample) -> PendingSample:
         """Remember a step queued from a graph (`launch_ahead` may advance it), with each row's block ids in
@@ -259,13 +261,15 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, specs: list[SampleSpec], plan: PromptLogprobsPlan | None = None,
                 allowed: RowBitmask | None = None, drafts: list[list[int]] | None = None,
-                targets: torch.Tensor | None = None, defer: bool = False, plain: bool | None = None):
+                targets: torch.Tensor | None = None, defer: bool = False, plain: bool | None = None,
+                inflight: torch.Tensor | None = None):
         """Sample one row per `specs` (the first rows of `logits`; the rest, with `targets`, are the
         prompt-logprobs `plan`'s; `drafts`, a step's per sampling request, if any). Raises `RequestsFailed`
         naming the requests whose seeded generator could not be built; if sampling fails, seeded generators are
         put back as they were, so a retry draws the same noise. Grammar-constrained rows sample from their
         allowed tokens. `defer`: return the `PendingSample` without waiting for it (a step without drafts or
-        prompt logprobs). `plain`: whether every spec is plain greedy, if known."""
+        prompt logprobs). `plain`: whether every spec is plain greedy, if known. `inflight`: each row's token from
+        the step in flight, which its history (for penalties) does not hold yet (a step queued ahead)."""
         extra = None
         if plan is not None:
             extra = plan.pack(logits[len(specs):], targets)
@@ -289,8 +293,10 @@ class ModelRunner:
             if plain:
                 pending = launch_greedy(logits, self.model.ops.argmax)
             else:
-                pending = launch_sample(logits, [s.params for s in specs], gens, [s.ban for s in specs],
-                                        [s.history for s in specs], extra, allowed, self.model.ops.argmax)
+                histories = [s.history for s in specs]
+                ids = [s.request_id for s in specs] if any(h is not None for h in histories) else None
+                pending = launch_sample(logits, [s.params for s in specs], gens, [s.ban for s in specs], histories,
+                                        extra, allowed, self.model.ops.argmax, self.token_counts, ids, inflight)
             if defer:
                 assert plan is None and not drafts, "only a step without drafts or prompt logprobs is deferred"
                 return pending

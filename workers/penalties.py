@@ -3,8 +3,10 @@
 penalties (OpenAI's, over output tokens), and bad words (a word's last token is banned when the output so
 far ends with the word's other tokens).
 
-Adjustments run on the batched logits: each row's token history becomes index tensors, and counts come
-from one scatter over all rows that need them."""
+Adjustments run on the batched logits. Penalized rows read their token counts from `TokenCounts`, kept on
+the device between steps and brought up to date with each row's new tokens, so that a step's host work does
+not grow with the histories, and a step queued behind the one in flight counts that step's token from the
+device (`adjust_logits`'s `inflight`)."""
 
 from __future__ import annotations
 
@@ -25,15 +27,74 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def _token_counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float32 counts of each row's tokens."""
-    counts = torch.zeros(len(lists), vocab, device=device)
-    lens = torch.tensor([len(x) for x in lists])
-    if int(lens.sum()) == 0:
-        return counts
-    rows = torch.repeat_interleave(torch.arange(len(lists)), lens).to(device)
-    tokens = torch.tensor([t for x in lists for t in x], device=device)
-    return counts.index_put_((rows, tokens), torch.ones((), device=device), accumulate=True)
+class TokenCounts:
+    """The token counts that penalties read, kept on the device between steps: per penalized request a row of
+    its output tokens' counts (float32) and a row marking its prompt's tokens, in buffers that grow as
+    requests come (`rows`). Each call brings a request's rows up to date with the tokens its history gained
+    since the one before (one a decode step), so the host's work a step is the new tokens, not the whole
+    histories; a request seen first, or whose history no longer extends the one counted, is counted anew.
+    `release` frees finished requests' rows."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None  # [capacity, vocab] float32: output tokens' counts
+        self.prompt: torch.Tensor | None = None  # [capacity, vocab] bool: the prompt's tokens
+        self._rows: dict[str, list[int]] = {}  # request id -> [row, prompt length, output tokens counted]
+        self._free: list[int] = []
+        self._used = 0  # rows ever taken
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            entry = self._rows.pop(rid, None)
+            if entry is not None:
+                self._free.append(entry[0])
+
+    def rows(self, request_ids: list, histories: list[History], vocab: int, device: torch.device) -> torch.Tensor:
+        """The row of each request (int64, on `device`), its counts brought up to date with its history."""
+        if self.out is None or self.out.shape[1] != vocab or self.out.device != device:
+            self._rows, self._free, self._used = {}, [], 0
+            self.out = torch.zeros(0, vocab, device=device)
+            self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        fresh: list[int] = []
+        added: list[int] = []  # flat positions (row * vocab + token) of the output tokens to count
+        marked: list[int] = []  # and of the prompt tokens to mark
+        rows: list[int] = []
+        for rid, (ids, n) in zip(request_ids, histories):
+            entry = self._rows.get(rid)
+            if entry is None or entry[1] != n or n + entry[2] > len(ids):
+                if entry is None:
+                    entry = self._rows[rid] = [self._take(), n, 0]
+                entry[1], entry[2] = n, 0
+                fresh.append(entry[0])
+                base = entry[0] * vocab
+                marked += [base + t for t in ids[:n]]
+            counted = n + entry[2]
+            if counted < len(ids):
+                base = entry[0] * vocab
+                added += [base + t for t in ids[counted:]]
+                entry[2] = len(ids) - n
+            rows.append(entry[0])
+        if self._used > self.out.shape[0]:
+            grow = max(8, self.out.shape[0], self._used - self.out.shape[0])
+            self.out = torch.cat([self.out, self.out.new_zeros(grow, vocab)])
+            self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, vocab)])
+        parts = [fresh, added, marked, rows]
+        packed = device_tensor([v for part in parts for v in part], device, torch.long)  # one copy
+        fresh_t, added_t, marked_t, rows_t = packed.split([len(p) for p in parts])
+        # kernels that never wait for the device (a sorting `index_put_` might)
+        if fresh:
+            self.out.index_fill_(0, fresh_t, 0.0)
+            self.prompt.index_fill_(0, fresh_t, False)
+        if added:
+            self.out.view(-1).index_add_(0, added_t, torch.ones(len(added), device=device))
+        if marked:
+            self.prompt.view(-1).index_fill_(0, marked_t, True)
+        return rows_t
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._used += 1
+        return self._used - 1
 
 
 def _apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -45,31 +106,51 @@ def _apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
     x.index_put_(idx, torch.tensor([r[2] for r in rows], dtype=x.dtype, device=dev), accumulate=True)
 
 
-def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> None:
+def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: torch.Tensor,
+                     prompt: torch.Tensor) -> None:
+    """Penalties on `x` (float32 logits) in place, from each row's output tokens' counts and its prompt's tokens."""
     dev = x.device
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-    out_counts = _token_counts([ids[n:] for ids, n in histories], x.shape[1], dev)
+    freq = device_tensor([p.frequency_penalty for p in params], dev, torch.float)[:, None]
+    pres = device_tensor([p.presence_penalty for p in params], dev, torch.float)[:, None]
     if any(p.repetition_penalty != 1 for p in params):
-        seen = (_token_counts([ids[:n] for ids, n in histories], x.shape[1], dev) + out_counts) > 0
-        scaled = torch.where(x > 0, x / rep, x * rep)
-        x.copy_(torch.where(seen, scaled, x))
+        rep = device_tensor([p.repetition_penalty for p in params], dev, torch.float)[:, None]
+        seen = prompt | (out_counts > 0)
+        x.copy_(torch.where(seen, torch.where(x > 0, x / rep, x * rep), x))
     x -= freq * out_counts + pres * (out_counts > 0)
 
 
-def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None],
+                  counts: TokenCounts | None = None, request_ids: list[str] | None = None,
+                  inflight: torch.Tensor | None = None) -> torch.Tensor:
     """`logits` with each row's logit bias and penalties applied (float32 if any row has some; the same
-    tensor if none has)."""
+    tensor if none has). A penalized row needs its history; `counts` keeps those rows' token counts between
+    calls, under `request_ids` (without it they are counted anew). `inflight`: a token per row, on the device,
+    that comes after each row's history and is not in it yet (a step queued behind the step that samples it,
+    whose sampled ids are its input ids: `Engine.async_scheduling`)."""
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
-    idx = device_tensor(rows, logits.device)
+    dev = logits.device
+    idx = device_tensor(rows, dev)
     sub = [params[i] for i in rows]
     x = logits[idx].float()
     _apply_logit_bias(x, sub)
-    if any(p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0 for p in sub):
-        _apply_penalties(x, sub, [histories[i] for i in rows])
+    pen = [j for j, p in enumerate(sub) if p.penalizes]
+    if pen:
+        batch_rows = [rows[j] for j in pen]
+        counts = counts if counts is not None else TokenCounts()
+        keys = request_ids if request_ids is not None else list(range(len(params)))
+        slots = counts.rows([keys[i] for i in batch_rows], [histories[i] for i in batch_rows], x.shape[1], dev)
+        out_counts = counts.out[slots]
+        if inflight is not None:
+            ids = inflight if len(batch_rows) == len(params) else inflight[device_tensor(batch_rows, dev)]
+            out_counts.scatter_add_(1, ids[:, None], torch.ones(len(pen), 1, device=dev))
+        whole = len(pen) == len(sub)
+        pen_idx = None if whole else device_tensor(pen, dev)
+        y = x if whole else x[pen_idx]
+        _apply_penalties(y, [sub[j] for j in pen], out_counts, counts.prompt[slots])
+        if not whole:
+            x[pen_idx] = y
     out = logits.to(torch.float32, copy=True)
     out[idx] = x
     return out

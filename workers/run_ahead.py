@@ -51,8 +51,9 @@ class RunAhead:
 
     def may_run_ahead(self, sched: SchedulerOutput, checked: bool = False) -> bool:
         """Whether the step after `sched` may be sampled before `sched`'s tokens are known: no grammar is
-        active, and each request samples with a spec that no longer changes (none bans tokens for now or reads
-        its token history: `Request.sample_spec`), and none keeps its KV for a transfer (known when `checked`).
+        active, and each request samples with a spec that no longer changes (none bans tokens for now:
+        `Request.sample_spec`; a penalized one counts its token in flight on the device, `penalties.TokenCounts`),
+        and none keeps its KV for a transfer (known when `checked`).
         (Whether it may be scheduled is `Scheduler.schedule_ahead`'s.)"""
         return not self.structured.active and (checked or all(r.sample_spec is not None and not r.hold_kv
                                                               for r in sched.requests))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.layer_ops import TorchLayerOps
-from workers.penalties import History, adjust_logits, apply_min_p, device_tensor
+from workers.penalties import History, TokenCounts, adjust_logits, apply_min_p, device_tensor
 from workers.sampling_params import SamplingParams
 
 
@@ -191,13 +191,17 @@ def launch_greedy(logits: torch.Tensor, argmax: Callable[[torch.Tensor], torch.T
 def launch_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                   banned: list[list[int] | None] | None = None, histories: list[History] | None = None,
                   extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
-                  argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax) -> PendingSample:
-    """`sample`'s kernels and its copy back, queued without waiting for them (see `PendingSample`)."""
+                  argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax,
+                  counts: TokenCounts | None = None, request_ids: list[str] | None = None,
+                  inflight: torch.Tensor | None = None) -> PendingSample:
+    """`sample`'s kernels and its copy back, queued without waiting for them (see `PendingSample`).
+    `counts`, `request_ids`, `inflight`: penalized rows' token counts kept between steps, and the token of
+    each row still in flight (`penalties.adjust_logits`)."""
     raw = logits
     logits = _mask_banned(logits, banned or [])
     if allowed is not None:
         logits = apply_token_bitmask(logits, allowed)
-    logits = adjust_logits(logits, params, histories or [])
+    logits = adjust_logits(logits, params, histories or [], counts, request_ids, inflight)
     greedy_tokens = argmax(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     tokens = greedy_tokens

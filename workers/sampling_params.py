@@ -151,8 +151,12 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler must change this row's logits before it picks (penalties or logit_bias)."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or bool(self.logit_bias))
+        return self.penalizes or bool(self.logit_bias)
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether this row's logits depend on its token history (a presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def _check_stop(self) -> list[str]:
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):

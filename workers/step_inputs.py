@@ -24,7 +24,7 @@ from workers.step_isolation import RequestsFailed
 @dataclass(slots=True)
 class SampleSpec:
     """How one request samples this step: its own seed (if any), its params, the tokens it may not pick
-    now (`min_tokens`, bad words) and its token history (only when its params adjust logits)."""
+    now (`min_tokens`, bad words) and its token history (only when it is penalized)."""
 
     request_id: str
     seed: int | None
@@ -184,7 +184,8 @@ def sampled_requests(out: SchedulerOutput) -> list[Request]:
 
 def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
     """One spec per request. A request that bans nothing now nor ever will (its `min_tokens` are out, it has
-    no bad words) and needs no history keeps its spec for the steps after (`Request.sample_spec`)."""
+    no bad words) keeps its spec for the steps after (`Request.sample_spec`); a penalized one's history is its
+    own token list, which grows as its tokens are applied."""
     specs: list[SampleSpec] = []
     failures: dict[str, str] = {}
     for r in sampled:
@@ -194,10 +195,9 @@ def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
             continue
         try:
             p = r.sampling_params
-            history = (r.all_token_ids, r.num_prompt_tokens) if p.adjusts_logits else None
+            history = (r.all_token_ids, r.num_prompt_tokens) if p.penalizes else None
             spec = SampleSpec(r.request_id, r.seed, p, _ban(r), history)
-            if history is None and spec.ban is None and not r.bad_words_token_ids \
-                    and r.num_output_tokens >= p.min_tokens:
+            if spec.ban is None and not r.bad_words_token_ids and r.num_output_tokens >= p.min_tokens:
                 r.sample_spec = spec
             specs.append(spec)
         except Exception as e:

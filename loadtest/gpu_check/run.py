@@ -342,11 +342,12 @@ def summary(report: dict) -> str:
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
                      f"ratio {tp.get('batch1_graphs_over_eager') or 0:.2f}")
     audit = report["checks"].get("sync_audit", {})
-    for kind in ("decode", "other"):
-        if audit.get(kind) and audit.get("sync_debug_mode"):
-            a = audit[kind]
-            lines.append(f"  synchronizing calls, {kind} steps: {a['synchronizing_calls']} in {a['steps']} steps"
-                         + "".join(f"\n    {s['calls']} x {s['site']}" for s in a["sites"][:4]))
+    for batch, run in (("", audit), ("penalized, ", audit.get("penalized") or {})):
+        for kind in ("decode", "other"):
+            if run.get(kind) and audit.get("sync_debug_mode"):
+                a = run[kind]
+                lines.append(f"  synchronizing calls, {batch}{kind} steps: {a['synchronizing_calls']} in {a['steps']} "
+                             f"steps" + "".join(f"\n    {s['calls']} x {s['site']}" for s in a["sites"][:4]))
     for run in report["checks"].get("decode_profile", {}).get("runs", []):
         if run.get("profiled_steps"):
             top = ", ".join(f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in run["top"][:3])

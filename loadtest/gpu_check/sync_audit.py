@@ -8,7 +8,9 @@ a warning "called a synchronizing CUDA operation" at the Python line that made i
 from its prefill to its end with the mode on: every synchronizing call counted by the kind of step it fell in,
 with the lines that made them. It passes when the decode-only steps of the whole batch, the steps the throughput
 target is about, made none. Waiting on an event is not such a call, so the wait the engine means to make does
-not count."""
+not count. Then a batch of penalized requests (frequency, presence and repetition penalties: their sampling
+reads token counts kept on the device, and in a step queued ahead the token in flight) runs the same way: its
+decode-only steps must make none either, and some must have been queued ahead."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from loadtest.gpu_check.engines import (decode_context, generate, greedy, make_e
 from loadtest.gpu_check.plan import Plan
 from workers.engine import Engine
 from workers.output_processor import OutputKind
+from workers.sampling_params import SamplingParams
 
 MESSAGE = "synchronizing CUDA operation"
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,13 +61,20 @@ def synchronizing_calls(set_mode: Callable[[int], None]) -> Iterator[list[warnin
     seen.extend(w for w in caught if MESSAGE in str(w.message))
 
 
+def penalized(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, frequency_penalty=0.5,
+                          presence_penalty=0.2, repetition_penalty=1.1)
+
+
 def audit_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
-              set_mode: Callable[[int], None]) -> dict:
-    """Run `prompts` to the end with each step's synchronizing calls counted, by whether the step was decode-only
-    over the whole batch (`decode_context`) or another (prefill, mixed, the batch's last steps as it ends)."""
-    params = greedy(max_tokens)
+              set_mode: Callable[[int], None], params: SamplingParams | None = None, prefix: str = "s") -> dict:
+    """Run `prompts` to the end (greedy, or with `params`) with each step's synchronizing calls counted, by
+    whether the step was decode-only over the whole batch (`decode_context`) or another (prefill, mixed, the
+    batch's last steps as it ends)."""
+    params = params or greedy(max_tokens)
+    queued = engine.steps_queued_ahead
     for i, ids in enumerate(prompts):
-        engine.add_request(f"s{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
+        engine.add_request(f"{prefix}{i}", None, params, prompt_token_ids=ids, output_kind=OutputKind.FINAL_ONLY)
     kinds = {"decode": {"steps": 0, "calls": 0, "sites": Counter()},
              "other": {"steps": 0, "calls": 0, "sites": Counter()}}
     while engine.has_unfinished_requests():
@@ -74,10 +84,11 @@ def audit_run(engine: Engine, prompts: list[list[int]], max_tokens: int,
         kind["steps"] += 1
         kind["calls"] += len(calls)
         kind["sites"].update(_site(w) for w in calls)
-    return {name: {"steps": k["steps"], "synchronizing_calls": k["calls"],
-                   "calls_per_step": k["calls"] / k["steps"] if k["steps"] else None,
-                   "sites": [{"site": s, "calls": n} for s, n in k["sites"].most_common(TOP_SITES)]}
-            for name, k in kinds.items()}
+    return {"steps_queued_ahead": engine.steps_queued_ahead - queued,
+            **{name: {"steps": k["steps"], "synchronizing_calls": k["calls"],
+                      "calls_per_step": k["calls"] / k["steps"] if k["steps"] else None,
+                      "sites": [{"site": s, "calls": n} for s, n in k["sites"].most_common(TOP_SITES)]}
+               for name, k in kinds.items()}}
 
 
 def audit(plan: Plan, model: str, vocab: int, set_mode: Callable[[int], None] | None = None) -> dict:
@@ -91,8 +102,10 @@ def audit(plan: Plan, model: str, vocab: int, set_mode: Callable[[int], None] | 
                          async_scheduling=None if cuda else True)
     generate(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=9), greedy(plan.warmup_tokens), prefix="w")
     steps = audit_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=5), plan.output_len, set_mode)
-    result = {"async_scheduling": engine.async_scheduling, "sync_debug_mode": cuda, **steps}
+    pen = audit_run(engine, random_prompts(plan.batch, plan.prompt_len, vocab, seed=6), plan.output_len, set_mode,
+                    penalized(plan.output_len), prefix="p")
+    result = {"async_scheduling": engine.async_scheduling, "sync_debug_mode": cuda, **steps, "penalized": pen}
     del engine
     release_memory()
-    decode = steps["decode"]
-    return {"passed": decode["steps"] > 0 and decode["synchronizing_calls"] == 0, **result}
+    clean = all(run["decode"]["steps"] > 0 and run["decode"]["synchronizing_calls"] == 0 for run in (steps, pen))
+    return {"passed": clean and pen["steps_queued_ahead"] > 0, **result}

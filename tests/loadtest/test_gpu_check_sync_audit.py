@@ -74,3 +74,22 @@ def test_the_section_fails_on_a_call_in_a_decode_step_and_passes_without(tiny_mo
     monkeypatch.setattr(model_runner, "launch_greedy", greedy_calling)
     report = audit(Plan.dry(), tiny_model_dir, 64, mode)
     assert not report["passed"] and report["decode"]["synchronizing_calls"] >= report["decode"]["steps"] > 0
+
+
+def test_the_penalized_batch_is_queued_ahead_and_a_call_in_its_sampling_fails_the_section(tiny_model_dir,
+                                                                                          monkeypatch) -> None:
+    from workers.penalties import TokenCounts
+
+    mode = StandIn()
+    report = audit(Plan.dry(), tiny_model_dir, 64, mode)
+    pen = report["penalized"]
+    assert report["passed"] and pen["steps_queued_ahead"] > 0 and pen["decode"]["steps"] > 0
+    rows = TokenCounts.rows
+
+    def rows_calling(self, *args, **kwargs):  # the penalized rows' counts, brought up to date every step
+        mode.call()
+        return rows(self, *args, **kwargs)
+    monkeypatch.setattr(TokenCounts, "rows", rows_calling)
+    report = audit(Plan.dry(), tiny_model_dir, 64, mode)
+    assert not report["passed"] and report["decode"]["synchronizing_calls"] == 0
+    assert report["penalized"]["decode"]["synchronizing_calls"] >= report["penalized"]["decode"]["steps"] > 0

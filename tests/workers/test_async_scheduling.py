@@ -2,7 +2,7 @@
 the one in flight, its input ids read from that step's sampled ids on the device. On the CPU, forced on, every
 step runs as it is queued, so what is checked here is the bookkeeping: the same requests give the same outputs
 as step by step (stop tokens, stop strings, max_tokens reached at different steps, seeds, logprobs,
-min_tokens, penalties, n > 1, aborts and requests arriving while steps run ahead), a request a step ends does
+min_tokens, penalties (which run ahead too), n > 1, aborts and requests arriving while steps run ahead), a request a step ends does
 not count the token computed for it in the step queued behind, and every block goes back to the pool."""
 
 from __future__ import annotations
@@ -160,6 +160,22 @@ def test_seeds_logprobs_min_tokens_penalties_and_n(engine):
     plain = _run(engine, False, reqs, OutputKind.DELTA)
     ahead = _run(engine, True, reqs, OutputKind.DELTA)
     _same(plain, ahead)
+
+
+def test_penalized_requests_run_ahead_counting_their_token_in_flight(engine):
+    """Penalties read a request's every token, the one still in flight too: a batch of penalized requests runs
+    ahead (their counts kept on the device, that token read there from the step before's sampled ids) with the
+    outputs of steps in turn, which differ from those without penalties."""
+    kinds = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(repetition_penalty=1.8),
+             dict(frequency_penalty=0.7, repetition_penalty=0.6, logit_bias={11: 3.0}), dict(logit_bias={12: 4.0})]
+    prompts = [PROMPTS[2]] * 4 + [PROMPTS[0]]  # the model repeats its first token over and over after [42] * 17
+    reqs = [(p, _greedy(14, **kw)) for p, kw in zip(prompts, kinds)]
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert ahead["ahead"] >= 10
+    unpenalized = _run(engine, False, [(p, _greedy(14)) for p in prompts])
+    assert all(plain[f"q{i}"] != unpenalized[f"q{i}"] for i in range(5))
 
 
 def test_aborts_and_requests_arriving_while_steps_run_ahead(engine):

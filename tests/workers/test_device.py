@@ -104,17 +104,24 @@ def test_decode_graphs_with_async_scheduling_replay_the_eager_tokens(tiny_model_
     assert len(ahead) >= 10 and 4 in ahead
 
 
-def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_dir):
+@pytest.mark.parametrize("penalized", [False, True])
+def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_dir, penalized):
     """A step queued ahead over the same rows as the graph step before it advances that graph's buffers on the
     device (`DecodeGraphs.advance`) instead of building its inputs: with blocks of 4 tokens rows take new
     blocks every few steps, and requests ending apart make the steps after an end build theirs again (fewer
-    rows), then advance again. Tokens as the torch backend's, eager."""
-    from llm_runs import PROMPTS
+    rows), then advance again. Tokens as the torch backend's, eager; `penalized`, with penalties on some rows,
+    which count each row's token in flight from the sampled ids the advanced step reads."""
+    from llm_runs import PROMPTS as prompts
 
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (22, 9, 15, 22)]
+    pen = [{}] * 4
+    if penalized:
+        pen = [dict(frequency_penalty=0.7), {}, dict(frequency_penalty=0.4, presence_penalty=0.1, repetition_penalty=1.2), {}]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, **kw) for m, kw in zip((22, 9, 15, 22), pen)]
+    if penalized:  # prompts after which the model repeats one token over and over, unless penalized
+        prompts = [[42] * 17, prompts[1], [42] * 13, prompts[3]]
 
     def tokens(llm):
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     reference = tokens(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
                            block_size=4))

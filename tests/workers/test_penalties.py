@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.penalties import adjust_logits, apply_min_p, bad_words_ban, bad_words_token_ids
+from workers import penalties
+from workers.penalties import TokenCounts, adjust_logits, apply_min_p, bad_words_ban, bad_words_token_ids
 from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
 from workers.sampler import sample
@@ -60,6 +61,56 @@ def test_bf16_logits_are_adjusted_in_float32(batch):
     out = adjust_logits(logits.bfloat16(), params, histories)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out[3], _reference(logits[3].bfloat16(), params[3], [1, 1], [2, 30, 30, 30, 31]))
+
+
+def test_counts_kept_between_steps_follow_each_history(batch, monkeypatch):
+    """Penalized rows' counts kept in `TokenCounts` across steps: each step as counting the histories anew,
+    with only the tokens gained since the step before going to the device; a finished request's row is
+    taken by the next one, counted from its own history, and a history that does not extend the one counted
+    (a request id used again) is counted anew."""
+    logits, params, histories = batch
+    ids = ["a", "b", "c", "d", "e"]
+    histories = [(list(h), n) for h, n in histories]
+    counts = TokenCounts()
+    sent: list[int] = []
+    copy = penalties.device_tensor
+    monkeypatch.setattr(penalties, "device_tensor", lambda v, *a: sent.append(len(v)) or copy(v, *a))
+    rng = torch.Generator().manual_seed(1)
+    for step in range(6):
+        sent.clear()
+        out = adjust_logits(logits, params, histories, counts, ids)
+        for i, (p, (h, n)) in enumerate(zip(params, histories)):
+            torch.testing.assert_close(out[i], _reference(logits[i], p, h[:n], h[n:]))
+        if step:  # 3 penalized rows, each its new token's place in the counts and its row, in one copy
+            assert max(sent) == 2 * 3
+        for h, _ in histories:
+            h.append(int(torch.randint(VOCAB, (), generator=rng)))
+    assert counts.out.shape[0] == 8 and counts._used == 3
+    counts.release(["a"])
+    histories[0] = ([2, 2, 9], 1)
+    ids[0] = "f"  # takes a's row
+    histories[3] = (histories[3][0][:4], 2)  # d again, a shorter history
+    out = adjust_logits(logits, params, histories, counts, ids)
+    for i in (0, 3):
+        h, n = histories[i]
+        torch.testing.assert_close(out[i], _reference(logits[i], params[i], h[:n], h[n:]))
+    assert counts._used == 3 and counts._rows["f"][0] == 0
+
+
+@pytest.mark.parametrize("rows", ["all", "some"])
+def test_a_token_in_flight_counts_as_the_histories_next(batch, rows):
+    """A step queued behind the one that samples its rows' last tokens: those tokens come as a device tensor
+    (`inflight`, one per row of the batch) and count as if each history ended with its own."""
+    logits, params, histories = batch
+    if rows == "all":  # every row penalized
+        params = [SamplingParams(frequency_penalty=0.5 + 0.1 * i, repetition_penalty=1.3) for i in range(5)]
+    nxt = [3, 7, 9, 30, 0]
+    full = [(h + [t], n) for (h, n), t in zip(histories, nxt)]
+    counts = TokenCounts()
+    for _ in range(2):  # counted anew, then from the kept counts
+        got = adjust_logits(logits, params, histories, counts, list("abcde"), inflight=torch.tensor(nxt))
+        torch.testing.assert_close(got, adjust_logits(logits, params, full))
+    assert not torch.equal(got, adjust_logits(logits, params, histories))
 
 
 def test_greedy_rows_pick_after_penalties_and_logprobs_stay_raw():

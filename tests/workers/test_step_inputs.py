@@ -97,8 +97,9 @@ def test_a_step_where_no_request_samples_has_long_empty_logits_indices():
 
 
 def test_a_request_keeps_its_sample_spec_once_it_no_longer_changes():
-    """A request's spec is rebuilt while it bans tokens (min_tokens not out) and always with bad words or
-    penalties (its ban or history changes with every token); otherwise the first one is reused."""
+    """A request's spec is rebuilt while it bans tokens (min_tokens not out) and always with bad words (its
+    ban may change with every token); otherwise the first one is reused, a penalized one's history being the
+    request's own token list, which grows with it."""
     rng = random.Random(9)
 
     def decoding(params: SamplingParams, **kw) -> Request:
@@ -133,4 +134,9 @@ def test_a_request_keeps_its_sample_spec_once_it_no_longer_changes():
     assert spec(words).ban == [7] and spec(words) is not spec(words)
     penalised = decoding(SamplingParams(max_tokens=64, repetition_penalty=1.2))
     s = spec(penalised)
-    assert s.history is not None and spec(penalised) is not s
+    assert s.history[0] is penalised.all_token_ids and s.history[1] == penalised.num_prompt_tokens
+    grow(penalised)
+    assert spec(penalised) is s and s.history[0][-1] == penalised.all_token_ids[-1]
+    biased = decoding(SamplingParams(max_tokens=64, logit_bias={5: 2.0}))  # no history: the bias is fixed
+    b = spec(biased)
+    assert b.history is None and spec(biased) is b
