@@ -2,8 +2,9 @@
 the one in flight, its input ids read from that step's sampled ids on the device. On the CPU, forced on, every
 step runs as it is queued, so what is checked here is the bookkeeping: the same requests give the same outputs
 as step by step (stop tokens, stop strings, max_tokens reached at different steps, seeds, logprobs,
-min_tokens, penalties (which run ahead too), n > 1, aborts and requests arriving while steps run ahead), a request a step ends does
-not count the token computed for it in the step queued behind, and every block goes back to the pool."""
+min_tokens, penalties (which run ahead too), n > 1, aborts and requests arriving while steps run ahead), a
+request a step ends does not count the token computed for it in the step queued behind, and every block goes
+back to the pool."""
 
 from __future__ import annotations
 

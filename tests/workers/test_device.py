@@ -115,7 +115,8 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
 
     pen = [{}] * 4
     if penalized:
-        pen = [dict(frequency_penalty=0.7), {}, dict(frequency_penalty=0.4, presence_penalty=0.1, repetition_penalty=1.2), {}]
+        pen = [dict(frequency_penalty=0.7), {},
+               dict(frequency_penalty=0.4, presence_penalty=0.1, repetition_penalty=1.2), {}]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, **kw) for m, kw in zip((22, 9, 15, 22), pen)]
     if penalized:  # prompts after which the model repeats one token over and over, unless penalized
         prompts = [[42] * 17, prompts[1], [42] * 13, prompts[3]]
