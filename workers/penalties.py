@@ -131,9 +131,10 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
     if not rows:
         return logits
     dev = logits.device
-    idx = device_tensor(rows, dev)
+    every = len(rows) == len(params)  # then the rows are adjusted in the copy returned, not gathered apart
+    idx = None if every else device_tensor(rows, dev)
     sub = [params[i] for i in rows]
-    x = logits[idx].float()
+    x = logits.to(torch.float32, copy=True) if every else logits[idx].float()
     _apply_logit_bias(x, sub)
     pen = [j for j, p in enumerate(sub) if p.penalizes]
     if pen:
@@ -151,6 +152,8 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
         _apply_penalties(y, [sub[j] for j in pen], out_counts, counts.prompt[slots])
         if not whole:
             x[pen_idx] = y
+    if every:
+        return x
     out = logits.to(torch.float32, copy=True)
     out[idx] = x
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from loadtest.gpu_check.engines import generate, greedy, make_engine, random_prompts, release_memory
 from loadtest.gpu_check.plan import Plan
+from workers.config import EngineConfig
 
 
 def compare(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -56,7 +57,7 @@ def graphs_on_vs_off(plan: Plan, model: str, vocab: int, dtype: str = "bfloat16"
             "advanced_steps": advanced["steps"], **result}
 
 
-SPECULATIVE_TOKENS = 4  # the serving default
+SPECULATIVE_TOKENS = EngineConfig.num_speculative_tokens  # the serving default
 
 
 def speculative_vs_plain(plan: Plan, model: str, vocab: int) -> dict:

@@ -30,6 +30,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from workers.config import EngineConfig, default_speculation_limit
 from workers.engine import Engine
 from workers.output_processor import OutputKind
 from workers.sampling_params import SamplingParams
@@ -115,7 +116,7 @@ def workload(seed: int, shape: Shape, kinds: tuple[str, ...] = KINDS, priorities
     return reqs
 
 
-SPECULATIVE_TOKENS = 4  # the serving default
+SPECULATIVE_TOKENS = EngineConfig.num_speculative_tokens  # the serving default
 
 
 def engine_options(shape: Shape, speculative_tokens: int = 0) -> dict:
@@ -241,8 +242,6 @@ def engine_config(plan, model: str, variant: str, reference: bool = False):
     the serving default's drafts and the limit the engine sets from its largest graph
     (`default_speculation_limit`); on the CPU async scheduling forced and that limit given, for the largest
     graph `VARIANTS` names."""
-    from workers.config import EngineConfig, default_speculation_limit
-
     v = VARIANTS[variant]
     shape = v.cpu_shape if plan.dry_run else v.gpu_shape
     drafts = SPECULATIVE_TOKENS if variant == "speculating" and not reference else 0

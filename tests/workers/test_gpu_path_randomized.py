@@ -10,22 +10,20 @@ from __future__ import annotations
 import pytest
 
 from loadtest.gpu_check.plan import Plan
-from loadtest.gpu_check.random_workload import CPU_SHAPE, VARIANTS, compare, engine_config, engine_options, run, workload
+from loadtest.gpu_check.random_workload import CPU_SHAPE, VARIANTS, compare, engine_config, run, workload
 from workers.cuda_graphs import eager_capture
 from workers.engine import Engine
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-MAX_GRAPH_BATCH = 8
 
-
-def _engine(model: str, gpu_path: bool) -> Engine:
-    if not gpu_path:
-        return Engine(model=model, attention_backend="torch", **engine_options(CPU_SHAPE))
-    engine = Engine(model=model, attention_backend="triton", device="cpu", async_scheduling=True,
-                    **engine_options(CPU_SHAPE))
-    engine.runner.enable_decode_graphs(max_batch=MAX_GRAPH_BATCH, max_model_len=engine.max_model_len,
-                                       capture=eager_capture)
+def _engine(model: str, variant: str, reference: bool) -> Engine:
+    """The engine the GPU check's dry run takes for `variant` (`engine_config`): the reference, eager steps in turn
+    over the torch backend; or the GPU's path, its decode graphs replayed eagerly up to the variant's largest."""
+    engine = Engine(engine_config(Plan.dry(), model, variant, reference))
+    if not reference:
+        engine.runner.enable_decode_graphs(max_batch=VARIANTS[variant].cpu_graph, max_model_len=engine.max_model_len,
+                                           capture=eager_capture)
     return engine
 
 
@@ -37,11 +35,12 @@ def test_random_workloads_through_the_gpus_decode_path_give_the_plain_engines_ou
     tiny_model_dir = request.getfixturevalue(model)
     reqs = workload(seed, CPU_SHAPE)
     assert {r.params.n for r in reqs} == {1, 2} and any(r.abort is not None for r in reqs)
-    reference, _ = run(_engine(tiny_model_dir, gpu_path=False), reqs)
-    got, ran = run(_engine(tiny_model_dir, gpu_path=True), reqs)
-    assert ran["kv_usage_after"] == 0
+    reference, _ = run(_engine(tiny_model_dir, "decode_path", reference=True), reqs)
+    got, ran = run(_engine(tiny_model_dir, "decode_path", reference=False), reqs)
+    assert ran["kv_usage_after"] == 0 and ran["graphs"] and ran["async_scheduling"]
     # the run exercised what it is for
-    assert ran["preemptions"] > 0 and ran["blocks_advanced"] > 0 and ran["most_running"] > MAX_GRAPH_BATCH, ran
+    graph = VARIANTS["decode_path"].cpu_graph
+    assert ran["preemptions"] > 0 and ran["blocks_advanced"] > 0 and ran["most_running"] > graph, ran
     assert compare(reqs, reference, got) == []
 
 
@@ -50,15 +49,13 @@ def test_random_workloads_through_the_gpus_decode_path_give_the_plain_engines_ou
 @pytest.mark.parametrize("seed", [17])
 def test_random_workloads_through_the_gpus_decode_path_speculating_give_the_plain_engines_outputs(
         repeating_model_dir, seed):
-    plan, v = Plan.dry(), VARIANTS["speculating"]
+    v = VARIANTS["speculating"]
     reqs = workload(seed, v.cpu_shape, v.kinds, v.priorities)
     assert len({r.priority for r in reqs}) == v.priorities > 1
-    reference, _ = run(Engine(engine_config(plan, repeating_model_dir, "speculating", reference=True)), reqs)
-    engine = Engine(engine_config(plan, repeating_model_dir, "speculating"))
+    reference, _ = run(_engine(repeating_model_dir, "speculating", reference=True), reqs)
+    engine = _engine(repeating_model_dir, "speculating", reference=False)
     # the limit the engine sets from its largest graph on a GPU: as many requests as it holds with their drafts
     assert engine.scheduler.config.speculative_disable_by_batch_size == v.cpu_graph // 5
-    engine.runner.enable_decode_graphs(max_batch=v.cpu_graph, max_model_len=engine.max_model_len,
-                                       capture=eager_capture)
     got, ran = run(engine, reqs)
     assert ran["kv_usage_after"] == 0
     assert 0 < ran["drafts_kept"] < ran["drafts"] and ran["steps_queued_ahead"] > 0 and ran["preemptions"] > 0, ran

@@ -107,10 +107,12 @@ def test_a_token_in_flight_counts_as_the_histories_next(batch, rows):
     nxt = [3, 7, 9, 30, 0]
     full = [(h + [t], n) for (h, n), t in zip(histories, nxt)]
     counts = TokenCounts()
+    raw = logits.clone()
     for _ in range(2):  # counted anew, then from the kept counts
         got = adjust_logits(logits, params, histories, counts, list("abcde"), inflight=torch.tensor(nxt))
         torch.testing.assert_close(got, adjust_logits(logits, params, full))
     assert not torch.equal(got, adjust_logits(logits, params, histories))
+    assert torch.equal(logits, raw)  # adjusted in a copy, every row or some (the logprobs read the raw ones)
 
 
 def test_greedy_rows_pick_after_penalties_and_logprobs_stay_raw():
