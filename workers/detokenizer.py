@@ -166,6 +166,13 @@ class IncrementalDetokenizer:
             self._flush()
         return self._text
 
+    def _append(self, new: str) -> None:
+        """`_text += new` at the cost of the new text: CPython grows a string no one else refers to in place,
+        where the same `+=` on the attribute copies the whole text (every step of a stream, O(n) in its length)."""
+        text, self._text = self._text, ""
+        text += new
+        self._text = text
+
     def _flush(self) -> None:
         """Decode the waiting ids in one window: the text up to the last of them after which it ends on a
         whole character, which the steps one token at a time would have given by then."""
@@ -176,7 +183,7 @@ class IncrementalDetokenizer:
             if full.endswith(_INCOMPLETE):
                 continue
             if len(full) > len(prefix):
-                self._text += full[len(prefix):]
+                self._append(full[len(prefix):])
                 self._prefix_offset, self._read_offset = self._read_offset, end
             return
 
@@ -211,7 +218,7 @@ class IncrementalDetokenizer:
                 ids.append(token)
                 self._prefix_offset, self._read_offset = self._read_offset, len(ids)
                 before = len(self._text)
-                self._text += new
+                self._append(new)
                 return self._find_stop(before) if self.stop else None
         if self._bytes is not None:
             hit = self._window(new_token_ids)
@@ -229,7 +236,7 @@ class IncrementalDetokenizer:
                 return None
             self._read_offset = len(self._ids)
             before = len(self._text)
-            self._text += new
+            self._append(new)
             return self._find_stop(before) if self.stop else None
         return self._window(new_token_ids)
 
@@ -245,7 +252,7 @@ class IncrementalDetokenizer:
         if len(new_token_ids) == 1 and new_token_ids[0] in self._added and len(self._ids) > 1 \
                 and self._ids[-2] in self._added:
             new = self._added[new_token_ids[0]]
-        self._text += new
+        self._append(new)
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._find_stop(before) if self.stop else None
