@@ -278,7 +278,8 @@ def run_host_step(args: argparse.Namespace) -> int:
             print(f"  {row['own_ms_per_step']:8.3f} ms own {row['calls_per_step']:8.1f} calls  {row['function']}")
     payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
-               "output_kind": kind.value, "frequency_penalty": args.frequency_penalty, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
+               "output_kind": kind.value, "frequency_penalty": args.frequency_penalty,
+               "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
                "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "host_only": args.host_only,
                "loadavg_1_5_15": load, "gc_frozen_objects": frozen,
                "median_ms_per_step": median, "per_round": rounds, "profiled_round": profiled}

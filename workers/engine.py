@@ -294,8 +294,8 @@ class Engine:
         ids read there from this step's sampled ids (`workers/run_ahead.py`), so that the host applies this step and
         makes its outputs while the device runs the next. The next `step()` call collects that step (and
         queues the one after), with no scheduling of its own, as long as nothing else waits: no request
-        waiting to be admitted, every request sampling with a spec that does not change step to step (no
-        bans or grammars; penalties count the token in flight on the device), a free slot for every one. A
+        waiting to be admitted, no grammar and no request with bad words (penalties and `min_tokens` count the
+        token in flight: on the device, on the host), a free slot for every one. A
         request that this step ends (a stop token, a stop string, an abort) computes one token more in the
         step queued behind, which is dropped, and gives back its blocks as if it had not been scheduled."""
         self.failed = {}

@@ -26,7 +26,8 @@ from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
 from workers.sampler import PendingSample, RowBitmask, SampleOutput, launch_greedy, launch_sample
 from workers.scheduler import SchedulerOutput
-from workers.step_inputs import SampleSpec, StepInputs, build_ahead_inputs, build_step_inputs, sampled_requests
+from workers.step_inputs import (SampleSpec, StepInputs, ahead_specs, build_ahead_inputs, build_step_inputs,
+                                 sampled_requests)
 from workers.step_isolation import RequestsFailed
 from workers.structured_output import StructuredOutputManager
 
@@ -40,6 +41,7 @@ class _GraphStep:
     blocks: list[int]
     specs: list[SampleSpec]
     plain: bool  # every spec plain greedy (`SampleSpec.plain`)
+    kept: bool  # every spec its request's for good (`Request.sample_spec`); else one changes (`min_tokens`)
 
 
 class ModelRunner:
@@ -185,9 +187,13 @@ class ModelRunner:
         last, self._graph_step = self._graph_step, None
         if rows is None and last is not None and last.pending is after:
             logits = self._advance(reqs, after, last.blocks)
-            if logits is not None:  # the same requests sample with the same specs (fixed once set)
-                pending = self._sample(logits, last.specs, defer=True, plain=last.plain, inflight=after.tokens)
-                self._graph_step = _GraphStep(pending, last.blocks, last.specs, last.plain)
+            if logits is not None:  # the same requests, with the same specs unless one's ban changes
+                specs, plain, kept = last.specs, last.plain, last.kept
+                if not kept:
+                    specs = ahead_specs(reqs)
+                    plain, kept = all(s.plain for s in specs), all(s is r.sample_spec for r, s in zip(reqs, specs))
+                pending = self._sample(logits, specs, defer=True, plain=plain, inflight=after.tokens)
+                self._graph_step = _GraphStep(pending, last.blocks, specs, plain, kept)
                 return pending
         step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
         ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
@@ -199,7 +205,8 @@ class ModelRunner:
         the graph's buffers and its sampling specs."""
         if self._replayed:
             self._graph_step = _GraphStep(pending, [len(r.block_ids) for r in reqs], specs,
-                                          all(s.plain for s in specs))
+                                          all(s.plain for s in specs),
+                                          all(s is r.sample_spec for r, s in zip(reqs, specs)))
         return pending
 
     def _advance(self, reqs: list[Request], after: PendingSample, blocks: list[int]) -> torch.Tensor | None:

@@ -51,12 +51,13 @@ class RunAhead:
 
     def may_run_ahead(self, sched: SchedulerOutput, checked: bool = False) -> bool:
         """Whether the step after `sched` may be sampled before `sched`'s tokens are known: no grammar is
-        active, and each request samples with a spec that no longer changes (none bans tokens for now:
-        `Request.sample_spec`; a penalized one counts its token in flight on the device, `penalties.TokenCounts`),
-        and none keeps its KV for a transfer (known when `checked`).
+        active, no request has bad words that may ban a token now (their ban reads the token in flight: those
+        whose spec is kept, `Request.sample_spec`, ban none; a request short of its `min_tokens` bans by count,
+        known on the host, `step_inputs.ahead_specs`; a penalized one counts its token in flight on the device,
+        `penalties.TokenCounts`), and none keeps its KV for a transfer (known when `checked`).
         (Whether it may be scheduled is `Scheduler.schedule_ahead`'s.)"""
-        return not self.structured.active and (checked or all(r.sample_spec is not None and not r.hold_kv
-                                                              for r in sched.requests))
+        return not self.structured.active and (checked or all(
+            (r.sample_spec is not None or not r.bad_words_token_ids) and not r.hold_kv for r in sched.requests))
 
     def run_ahead(self, current: InFlight) -> InFlight | None:
         """The decode step after `current`, queued behind it on the device before its tokens are known

@@ -168,13 +168,23 @@ def build_ahead_inputs(reqs: list[Request], block_size: int, num_heads: int, num
     """The decode step after the one in flight (`Engine.async_scheduling`), for requests whose token from it
     is not known yet: each one row at the position after that token, over blocks allocated for it. The
     input ids are placeholders (zeros): the runner takes them from the step in flight's sampled ids, on the
-    device. Every request must sample with a spec that no longer changes (`Request.sample_spec`)."""
+    device. Each request samples with the spec it keeps (`Request.sample_spec`) or, with no bad words, one
+    whose `min_tokens` ban counts the token in flight (`ahead_specs`)."""
     starts = [r.num_computed_tokens + 1 for r in reqs]
     batch = _one_row_each(reqs, torch.zeros(len(reqs), dtype=torch.long), starts, block_size)
     common = CommonAttentionMetadata(batch.query_lens, batch.query_start_loc, batch.context_lens, batch.block_tables,
                                      batch.slot_mapping, block_size, num_heads, num_kv_heads)
-    return StepInputs(batch.input_ids, batch.positions, torch.arange(len(reqs)), common,
-                      [r.sample_spec for r in reqs])
+    return StepInputs(batch.input_ids, batch.positions, torch.arange(len(reqs)), common, ahead_specs(reqs))
+
+
+def ahead_specs(reqs: list[Request]) -> list[SampleSpec]:
+    """The specs of a step queued behind the one in flight: each request's kept one, or one built for the token
+    after its token in flight (a request still short of its `min_tokens`; never one with bad words, whose ban
+    reads the tokens before)."""
+    specs = [r.sample_spec for r in reqs]
+    if None in specs:
+        specs = _sample_specs(reqs, ahead=1)
+    return specs
 
 
 def sampled_requests(out: SchedulerOutput) -> list[Request]:
@@ -182,10 +192,12 @@ def sampled_requests(out: SchedulerOutput) -> list[Request]:
     return [out.requests[i] for i in out.sample_rows() for _ in range(len(out.requests[i].spec_token_ids) + 1)]
 
 
-def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
+def _sample_specs(sampled: list[Request], ahead: int = 0) -> list[SampleSpec]:
     """One spec per request. A request that bans nothing now nor ever will (its `min_tokens` are out, it has
     no bad words) keeps its spec for the steps after (`Request.sample_spec`); a penalized one's history is its
-    own token list, which grows as its tokens are applied."""
+    own token list, which grows as its tokens are applied. `ahead`: tokens sampled and not yet applied before
+    the one these specs sample (a step queued ahead: 1; its requests have no bad words); a spec is kept only
+    once the applied tokens reach `min_tokens`, since the step in flight may yet be run again in turn."""
     specs: list[SampleSpec] = []
     failures: dict[str, str] = {}
     for r in sampled:
@@ -196,7 +208,7 @@ def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
         try:
             p = r.sampling_params
             history = (r.all_token_ids, r.num_prompt_tokens) if p.penalizes else None
-            spec = SampleSpec(r.request_id, r.seed, p, _ban(r), history)
+            spec = SampleSpec(r.request_id, r.seed, p, _ban(r, ahead), history)
             if spec.ban is None and not r.bad_words_token_ids and r.num_output_tokens >= p.min_tokens:
                 r.sample_spec = spec
             specs.append(spec)
@@ -207,12 +219,13 @@ def _sample_specs(sampled: list[Request]) -> list[SampleSpec]:
     return specs
 
 
-def _ban(req: Request) -> list[int] | None:
-    """Tokens the request may not pick now: those that would stop it before its `min_tokens` are out (EOS
-    and the stop token ids), and the last tokens of bad words the output would complete."""
+def _ban(req: Request, ahead: int = 0) -> list[int] | None:
+    """Tokens the request may not pick now (`ahead` tokens after its last applied one): those that would stop
+    it before its `min_tokens` are out (EOS and the stop token ids), and the last tokens of bad words the
+    output would complete."""
     p = req.sampling_params
     banned = []
-    if req.num_output_tokens < p.min_tokens:
+    if req.num_output_tokens + ahead < p.min_tokens:
         banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
     if req.bad_words_token_ids:
         banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)

@@ -179,6 +179,26 @@ def test_penalized_requests_run_ahead_counting_their_token_in_flight(engine):
     assert all(plain[f"q{i}"] != unpenalized[f"q{i}"] for i in range(5))
 
 
+def test_requests_short_of_min_tokens_run_ahead_banning_their_stop_ids_by_count(engine):
+    """A request short of its `min_tokens` bans its stop ids by how many tokens it has, its token in flight
+    too: steps queued ahead ban them up to the token before `min_tokens` and not at it. Each request's stop id
+    is the token the model picks at index `min_tokens` (and not before), so it stops there, in both runs."""
+    prompts = [PROMPTS[i] for i in (0, 1, 3, 4)]  # not [42] * 17, after which the model repeats one token
+    free = _run(engine, False, [(p, _greedy(12)) for p in prompts])
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        tokens = free[f"q{i}"][-1][0][2]
+        k = next(k for k in range(3 + i, 12) if tokens[k] not in tokens[:k])
+        reqs.append((prompt, SamplingParams(max_tokens=12, temperature=0, min_tokens=k, stop_token_ids=[tokens[k]])))
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert ahead["ahead"] >= 3
+    for i, (_, params) in enumerate(reqs):
+        [(_, _, tokens, reason, stop, _), _] = plain[f"q{i}"][-1]
+        assert reason == "stop" and stop == params.stop_token_ids[0] and len(tokens) == params.min_tokens + 1
+
+
 def test_aborts_and_requests_arriving_while_steps_run_ahead(engine):
     late = (PROMPTS[2], _greedy(6))
 

@@ -110,7 +110,8 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
     device (`DecodeGraphs.advance`) instead of building its inputs: with blocks of 4 tokens rows take new
     blocks every few steps, and requests ending apart make the steps after an end build theirs again (fewer
     rows), then advance again. Tokens as the torch backend's, eager; `penalized`, with penalties on some rows,
-    which count each row's token in flight from the sampled ids the advanced step reads."""
+    which count each row's token in flight from the sampled ids the advanced step reads, and a row short of its
+    `min_tokens`, whose ban counts that token too (its spec changes as the steps advance)."""
     from llm_runs import PROMPTS as prompts
 
     pen = [{}] * 4
@@ -124,8 +125,15 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
     def tokens(llm):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    reference = tokens(LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB",
-                           block_size=4))
+    eager = LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB", block_size=4)
+    reference = tokens(eager)
+    if penalized:  # and a row short of its min_tokens, whose stop id is the token the model picks at that index
+        free = reference[3]
+        k = next(k for k in range(10, 20) if free[k] not in free[:k])
+        params[3] = SamplingParams(max_tokens=22, temperature=0, ignore_eos=True, min_tokens=k,
+                                   stop_token_ids=[free[k]])
+        reference = tokens(eager)
+        assert len(reference[3]) == k + 1
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
               num_speculative_tokens=0, async_scheduling=True, block_size=4)
     runner = llm.engine.runner

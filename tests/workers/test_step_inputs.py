@@ -140,3 +140,20 @@ def test_a_request_keeps_its_sample_spec_once_it_no_longer_changes():
     biased = decoding(SamplingParams(max_tokens=64, logit_bias={5: 2.0}))  # no history: the bias is fixed
     b = spec(biased)
     assert b.history is None and spec(biased) is b
+
+
+def test_a_step_queued_ahead_bans_by_the_count_with_the_token_in_flight():
+    """`ahead_specs`: a request short of its `min_tokens` samples, in a step queued ahead, the token after its
+    token in flight, so its stop ids are banned while its applied tokens plus one are short; the spec is kept
+    only once the applied tokens reach `min_tokens` (the step in flight may run again in turn)."""
+    r = Request("m", [5, 6, 7], SamplingParams(max_tokens=16, min_tokens=3, stop_token_ids=[9]), 16)
+    r.eos_token_id = 2
+    specs = []
+    for _ in range(4):
+        now = step_inputs._sample_specs([r])[0] if r.sample_spec is None else r.sample_spec
+        specs.append((r.num_output_tokens, now.ban, step_inputs.ahead_specs([r])[0].ban, r.sample_spec is not None))
+        r.append_token(11)
+    assert specs == [(0, [2, 9], [2, 9], False), (1, [2, 9], [2, 9], False), (2, [2, 9], None, False),
+                     (3, None, None, True)]
+    kept = r.sample_spec
+    assert step_inputs.ahead_specs([r])[0] is kept
