@@ -11,6 +11,7 @@ they are enabled (`enable_decode_graphs`)."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ from workers.step_inputs import (SampleSpec, StepInputs, ahead_specs, build_ahea
                                  sampled_requests)
 from workers.step_isolation import RequestsFailed
 from workers.structured_output import StructuredOutputManager
+
+
+# a request's kept spec: where every request of a step has one, the step sampled with them
+_SAMPLE_SPEC = operator.attrgetter("sample_spec")
 
 
 @dataclass(slots=True)
@@ -191,7 +196,7 @@ class ModelRunner:
                 specs, plain, kept = last.specs, last.plain, last.kept
                 if not kept:
                     specs = ahead_specs(reqs)
-                    plain, kept = all(s.plain for s in specs), all(s is r.sample_spec for r, s in zip(reqs, specs))
+                    plain, kept = all(s.plain for s in specs), all(map(_SAMPLE_SPEC, reqs))
                 pending = self._sample(logits, specs, defer=True, plain=plain, inflight=after.tokens)
                 self._graph_step = _GraphStep(pending, last.blocks, specs, plain, kept)
                 return pending
@@ -205,8 +210,7 @@ class ModelRunner:
         the graph's buffers and its sampling specs."""
         if self._replayed:
             self._graph_step = _GraphStep(pending, [len(r.block_ids) for r in reqs], specs,
-                                          all(s.plain for s in specs),
-                                          all(s is r.sample_spec for r, s in zip(reqs, specs)))
+                                          all(s.plain for s in specs), all(map(_SAMPLE_SPEC, reqs)))
         return pending
 
     def _advance(self, reqs: list[Request], after: PendingSample, blocks: list[int]) -> torch.Tensor | None:

@@ -182,7 +182,7 @@ def ahead_specs(reqs: list[Request]) -> list[SampleSpec]:
     after its token in flight (a request still short of its `min_tokens`; never one with bad words, whose ban
     reads the tokens before)."""
     specs = [r.sample_spec for r in reqs]
-    if None in specs:
+    if not all(specs):  # (`None in specs` would call each spec's `__eq__`: 50 us at batch 256)
         specs = _sample_specs(reqs, ahead=1)
     return specs
 
