@@ -60,16 +60,15 @@ class TokenCounts:
         rows: list[int] = []
         for rid, (ids, n) in zip(request_ids, histories):
             entry = self._rows.get(rid)
-            if entry is None or entry[1] != n or n + entry[2] > len(ids):
-                if entry is None:
-                    entry = self._rows[rid] = [self._take(), n, 0]
+            if entry is None:
+                entry = self._rows[rid] = [self._take(), -1, 0]
+            base = entry[0] * vocab
+            if entry[1] != n or n + entry[2] > len(ids):  # new, or not the history counted
                 entry[1], entry[2] = n, 0
                 fresh.append(entry[0])
-                base = entry[0] * vocab
                 marked += [base + t for t in ids[:n]]
             counted = n + entry[2]
             if counted < len(ids):
-                base = entry[0] * vocab
                 added += [base + t for t in ids[counted:]]
                 entry[2] = len(ids) - n
             rows.append(entry[0])
@@ -109,14 +108,13 @@ def _apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
 def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: torch.Tensor,
                      prompt: torch.Tensor) -> None:
     """Penalties on `x` (float32 logits) in place, from each row's output tokens' counts and its prompt's tokens."""
-    dev = x.device
-    freq = device_tensor([p.frequency_penalty for p in params], dev, torch.float)[:, None]
-    pres = device_tensor([p.presence_penalty for p in params], dev, torch.float)[:, None]
+    coef = device_tensor([[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in params], x.device,
+                         torch.float)  # one copy
+    freq, pres, rep = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
+    present = out_counts > 0
     if any(p.repetition_penalty != 1 for p in params):
-        rep = device_tensor([p.repetition_penalty for p in params], dev, torch.float)[:, None]
-        seen = prompt | (out_counts > 0)
-        x.copy_(torch.where(seen, torch.where(x > 0, x / rep, x * rep), x))
-    x -= freq * out_counts + pres * (out_counts > 0)
+        x.copy_(torch.where(prompt | present, torch.where(x > 0, x / rep, x * rep), x))
+    x -= freq * out_counts + pres * present
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None],
