@@ -114,14 +114,15 @@ def _prompts(batch: int, length: int, vocab: int, first: int = 3) -> list[list[i
 
 
 def measure(engine: Any, prompts: list[list[int]], steps: int, output_kind: Any, profile: bool = False,
-            frequency_penalty: float = 0.0) -> dict:
+            frequency_penalty: float = 0.0, bad_words: list[str] | None = None) -> dict:
     """Decode `steps` steps of the whole batch after its prefill; seconds per step by phase."""
     from loadtest.gpu_check.engines import all_decoding
     from workers import model_runner
     from workers.sampler import PendingSample
     from workers.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, frequency_penalty=frequency_penalty)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, frequency_penalty=frequency_penalty,
+                            bad_words=bad_words)
     tag = time.monotonic_ns()
     for i, ids in enumerate(prompts):
         engine.add_request(f"h{tag}-{i}", None, params, prompt_token_ids=ids, output_kind=output_kind)
@@ -259,17 +260,17 @@ def run_host_step(args: argparse.Namespace) -> int:
         # ending inside one leaves the detokenizer its slower path, which text does not)
         prompts = _prompts(args.batch, args.prompt_len, engine.vocab_size,
                            engine.vocab_size // 2 if args.host_only else 3)
-        penalty = args.frequency_penalty
-        measure(engine, prompts[:8], 4, kind, frequency_penalty=penalty)  # warm-up
+        sampling = {"frequency_penalty": args.frequency_penalty, "bad_words": args.bad_words}
+        measure(engine, prompts[:8], 4, kind, **sampling)  # warm-up
         load = [loadavg()]
         rounds = []
         for r in range(args.rounds):
-            rounds.append(measure(engine, prompts, args.steps, kind, frequency_penalty=penalty))
+            rounds.append(measure(engine, prompts, args.steps, kind, **sampling))
             load.append(loadavg())
             print("round", r + 1, " ".join(f"{k} {v:.3f}" for k, v in rounds[-1]["ms_per_step"].items()),
                   "gc collections", rounds[-1]["gc_collections_by_generation"])
             print("  thread CPU ms:", " ".join(f"{k} {v:.3f}" for k, v in rounds[-1]["thread_cpu_ms_per_step"].items()))
-        profiled = (measure(engine, prompts, args.steps, kind, profile=True, frequency_penalty=penalty) if args.profile
+        profiled = (measure(engine, prompts, args.steps, kind, profile=True, **sampling) if args.profile
                     else None)
     median = {k: round(statistics.median(r["ms_per_step"][k] for r in rounds), 4) for k in rounds[0]["ms_per_step"]}
     print(f"median ms per decode step at batch {args.batch}: " + ", ".join(f"{k} {v:.3f}" for k, v in median.items()))
@@ -278,7 +279,7 @@ def run_host_step(args: argparse.Namespace) -> int:
             print(f"  {row['own_ms_per_step']:8.3f} ms own {row['calls_per_step']:8.1f} calls  {row['function']}")
     payload = {"benchmark": "host-step", "command": "kvrelay bench " + " ".join(args.argv), "commit": git_commit(),
                "batch": args.batch, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
-               "output_kind": kind.value, "frequency_penalty": args.frequency_penalty,
+               "output_kind": kind.value, "frequency_penalty": args.frequency_penalty, "bad_words": args.bad_words,
                "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "threads": args.threads, "device": str(engine.device),
                "model": args.model or f"random 1-layer Llama, vocab {args.vocab_size}", "host_only": args.host_only,
                "loadavg_1_5_15": load, "gc_frozen_objects": frozen,
@@ -309,6 +310,8 @@ def add_parser(sub: Any) -> None:
                    help="queue each decode step behind the one before (default: the engine's, on for one GPU)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="every request's (penalties read each request's token counts every step)")
+    p.add_argument("--bad-words", nargs="+", default=None, metavar="WORD",
+                   help="every request's bad words (their bans read each request's last tokens every step)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--profile", action="store_true", help="one more round under Python's profiler (not in the medians)")

@@ -62,7 +62,7 @@ class EngineConfig:
         None, "Queue each decode step on the device behind the one it is running, before that step's tokens are "
               "known (the next step's inputs are its sampled ids, read on the device), so the host's work for a "
               "step overlaps the device's; a request a step ends computes one token more, dropped. Decode steps "
-              "of requests without bad words only, without drafts (with "
+              "without drafts only (under a grammar, the forward pass; with "
               "speculation: while more requests run than speculative_disable_by_batch_size, which it then needs); "
               "not with tensor parallelism; default: on for one GPU without speculation or with that limit.")
     tensor_parallel_size: int = _opt(1, "Split every layer over this many ranks (Ray actors joined by gloo on the "

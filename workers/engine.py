@@ -294,8 +294,10 @@ class Engine:
         ids read there from this step's sampled ids (`workers/run_ahead.py`), so that the host applies this step and
         makes its outputs while the device runs the next. The next `step()` call collects that step (and
         queues the one after), with no scheduling of its own, as long as nothing else waits: no request
-        waiting to be admitted, no grammar and no request with bad words (penalties and `min_tokens` count the
-        token in flight: on the device, on the host), a free slot for every one. A
+        waiting to be admitted, a free slot for every one (penalties, bad words and `min_tokens` read the token
+        in flight: penalties and bad words on the device, `min_tokens` by count on the host). Under a grammar,
+        whose mask needs that token on the host, only the next step's forward pass is queued ahead, and its
+        sampling once this step is applied, before its outputs are made. A
         request that this step ends (a stop token, a stop string, an abort) computes one token more in the
         step queued behind, which is dropped, and gives back its blocks as if it had not been scheduled."""
         self.failed = {}
@@ -328,7 +330,15 @@ class Engine:
             # (a request that breaks it fails alone)
             self._inflight = None
             run = execute_isolating(self.runner.execute, current.sched)
-        self._apply(run)
+        try:
+            self._apply(run)
+        except BaseException:
+            if self._inflight is not None and self._inflight.pending is None:
+                self._inflight = None  # its sampling was to follow these tokens: scheduled again from here
+            raise
+        if self._inflight is not None and self._inflight.pending is None:
+            # under a grammar: the step queued ahead samples now, its rows' masks read from the tokens applied
+            self._inflight = self._ahead.sample(self._inflight)
         return earlier + self._take_pending()
 
     def _step_in_turn(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -49,6 +49,21 @@ class _GraphStep:
     kept: bool  # every spec its request's for good (`Request.sample_spec`); else one changes (`min_tokens`)
 
 
+@dataclass(slots=True)
+class AheadForward:
+    """A decode step queued ahead whose forward pass is on the device and whose sampling is not queued yet
+    (`ModelRunner.launch_ahead(defer_sample=True)`): a grammar's mask needs the token in flight on the host,
+    so the rows sample once the step in front has been applied (`ModelRunner.sample_ahead`)."""
+
+    reqs: list
+    logits: torch.Tensor
+    specs: list[SampleSpec]
+    plain: bool
+    inflight: torch.Tensor  # each row's token from the step in front (its input id), on the device
+    blocks: list[int] | None  # a graph step's rows' block counts in the graph's buffers (None: not a graph's)
+    kept: bool
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, num_blocks: int, block_size: int,
                  dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
@@ -178,32 +193,57 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput) -> PendingSample:
         """A decode-only step without drafts, queued on the device and not waited for (see
-        `Engine.async_scheduling`)."""
+        `Engine.async_scheduling`); grammar-constrained rows take their masks now (every token is applied)."""
         step = build_step_inputs(out, self.block_size, self.num_heads, self.num_kv_heads)
         logits, _ = self._forward_step(step)
-        return self._launched(out.requests, step.samples, self._sample(logits, step.samples, defer=True))
+        allowed = self._allowed(out.requests)
+        return self._launched(out.requests, step.samples,
+                              self._sample(logits, step.samples, allowed=allowed, defer=True))
 
-    def launch_ahead(self, reqs: list[Request], after: PendingSample, rows: list[int] | None) -> PendingSample:
+    def _allowed(self, reqs: list[Request]) -> RowBitmask | None:
+        """The grammar masks of `reqs`' rows (one row each), on the device; None without a grammar."""
+        if self.structured is None or not self.structured.active:
+            return None
+        return self.structured.bitmask(reqs)
+
+    def launch_ahead(self, reqs: list[Request], after: PendingSample, rows: list[int] | None,
+                     defer_sample: bool = False) -> PendingSample | AheadForward:
         """The decode step of `reqs` after the step `after` (still on the device), queued behind it: each
         request's input is its token from `after` (row `rows[i]` of its sampled ids; all rows in order when
         `rows` is None), read on the device (`build_ahead_inputs`). When `after` was the last graph replayed
         and every one of its rows goes on, its graph's buffers are advanced on the device instead
-        (`DecodeGraphs.advance`)."""
+        (`DecodeGraphs.advance`). `defer_sample`: queue the forward pass only, and return it for
+        `sample_ahead` once `after`'s tokens are applied (a grammar's mask reads them on the host)."""
         last, self._graph_step = self._graph_step, None
+        ahead = None
         if rows is None and last is not None and last.pending is after:
             logits = self._advance(reqs, after, last.blocks)
-            if logits is not None:  # the same requests, with the same specs unless one's ban changes
+            if logits is not None:  # the same requests, with the same specs unless one's bans change
                 specs, plain, kept = last.specs, last.plain, last.kept
                 if not kept:
                     specs = ahead_specs(reqs)
                     plain, kept = all(s.plain for s in specs), all(map(_SAMPLE_SPEC, reqs))
-                pending = self._sample(logits, specs, defer=True, plain=plain, inflight=after.tokens)
-                self._graph_step = _GraphStep(pending, last.blocks, specs, plain, kept)
-                return pending
-        step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
-        ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
-        logits, _ = self._forward_step(step, ids)
-        return self._launched(reqs, step.samples, self._sample(logits, step.samples, defer=True, inflight=ids))
+                ahead = AheadForward(reqs, logits, specs, plain, after.tokens, last.blocks, kept)
+        if ahead is None:
+            step = build_ahead_inputs(reqs, self.block_size, self.num_heads, self.num_kv_heads)
+            ids = after.tokens if rows is None else after.tokens[device_tensor(rows, self.device)]
+            logits, _ = self._forward_step(step, ids)
+            specs = step.samples
+            ahead = AheadForward(reqs, logits, specs, all(s.plain for s in specs), ids,
+                                 [len(r.block_ids) for r in reqs] if self._replayed else None,
+                                 all(map(_SAMPLE_SPEC, reqs)))
+        return ahead if defer_sample else self.sample_ahead(ahead)
+
+    def sample_ahead(self, ahead: AheadForward) -> PendingSample:
+        """Queue the sampling of a step queued ahead (`launch_ahead`), grammar-constrained rows under their
+        masks as their requests stand now (a request finished since samples unconstrained: its row is
+        dropped); a graph's step is remembered for the step after to advance."""
+        allowed = self._allowed(ahead.reqs)
+        pending = self._sample(ahead.logits, ahead.specs, allowed=allowed, defer=True, plain=ahead.plain,
+                               inflight=ahead.inflight)
+        if ahead.blocks is not None:
+            self._graph_step = _GraphStep(pending, ahead.blocks, ahead.specs, ahead.plain, ahead.kept)
+        return pending
 
     def _launched(self, reqs: list[Request], specs: list[SampleSpec], pending: PendingSample) -> PendingSample:
         """Remember a step queued from a graph (`launch_ahead` may advance it), with each row's block ids in
@@ -306,8 +346,10 @@ class ModelRunner:
             else:
                 histories = [s.history for s in specs]
                 ids = [s.request_id for s in specs] if any(h is not None for h in histories) else None
+                after = [s.ban_after for s in specs] if inflight is not None else None
                 pending = launch_sample(logits, [s.params for s in specs], gens, [s.ban for s in specs], histories,
-                                        extra, allowed, self.model.ops.argmax, self.token_counts, ids, inflight)
+                                        extra, allowed, self.model.ops.argmax, self.token_counts, ids, inflight,
+                                        after if after and any(after) else None)
             if defer:
                 assert plan is None and not drafts, "only a step without drafts or prompt logprobs is deferred"
                 return pending

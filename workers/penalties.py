@@ -22,6 +22,8 @@ def device_tensor(values: list, device: torch.device, dtype: torch.dtype | None 
     """A tensor of `values` on `device`. On a GPU it goes through pinned memory without waiting: a plain
     `torch.tensor(..., device="cuda")` waits for every kernel queued before it, which would stall a step
     queued behind the one the device is running (`Engine.async_scheduling`)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)  # (no `device=`: `pageable_copies` finds the calls that pass one)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
@@ -100,9 +102,9 @@ def _apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
     rows = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if not rows:
         return
-    dev = x.device
-    idx = (torch.tensor([r[0] for r in rows], device=dev), torch.tensor([r[1] for r in rows], device=dev))
-    x.index_put_(idx, torch.tensor([r[2] for r in rows], dtype=x.dtype, device=dev), accumulate=True)
+    packed = device_tensor(rows, x.device, torch.float64)  # one copy: ids below 2**53 are exact in float64
+    # `index_add_` on the flat logits (`x` is a contiguous float32 copy): atomic adds, no sort, never a wait
+    x.view(-1).index_add_(0, packed[:, 0].long() * x.shape[1] + packed[:, 1].long(), packed[:, 2].to(x.dtype))
 
 
 def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: torch.Tensor,
@@ -167,14 +169,57 @@ def apply_min_p(x: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return x.masked_fill(probs < threshold, float("-inf"))
 
 
+class BadWords:
+    """A request's bad words (token ids, `bad_words_token_ids`), split once by length so that a step's bans
+    cost little: one-token words are always banned, a two-token word's last token after its first, a longer
+    word's after its other tokens. `ids[start:]` is the output so far (only output tokens make a word)."""
+
+    __slots__ = ("always", "pairs", "longer")
+
+    def __init__(self, words: list[list[int]]) -> None:
+        self.always = [w[0] for w in words if len(w) == 1]
+        self.pairs = [(w[0], w[1]) for w in words if len(w) == 2]
+        self.longer = [(w[:-2], w[-2], w[-1]) for w in words if len(w) > 2]
+
+    def ban(self, ids: list[int], start: int) -> list[int]:
+        """The last tokens of the words whose other tokens end the output."""
+        banned = list(self.always)
+        n = len(ids) - start
+        if n:
+            last = ids[-1]
+            banned += [b for a, b in self.pairs if a == last]
+            for prefix, a, b in self.longer:
+                k = len(prefix)
+                if a == last and n > k and ids[-k - 1:-1] == prefix:
+                    banned.append(b)
+        return banned
+
+    def ban_after(self, ids: list[int], start: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """`ban` for the token after one still in flight (a step queued ahead, whose host does not know that
+        token yet): the one-token words, banned whatever it is, and a (next-to-last, last) pair for each longer
+        word whose tokens before those two end the output: its last token is banned if the token in flight is
+        its next-to-last (`sampler._mask_banned` compares them on the device). The first list, and the second
+        where there is no longer word, are the object's own: not to be changed."""
+        if not self.longer:
+            return self.always, self.pairs
+        pairs = list(self.pairs)
+        n = len(ids) - start
+        for prefix, a, b in self.longer:
+            k = len(prefix)
+            if n >= k and ids[-k:] == prefix:
+                pairs.append((a, b))
+        return self.always, pairs
+
+
 def bad_words_ban(output_ids: list[int], bad_words_ids: list[list[int]]) -> list[int]:
     """The last tokens of the bad words whose other tokens end `output_ids` (one-token words always)."""
-    banned = []
-    for word in bad_words_ids:
-        k = len(word) - 1
-        if k == 0 or (len(output_ids) >= k and output_ids[-k:] == word[:-1]):
-            banned.append(word[-1])
-    return banned
+    return BadWords(bad_words_ids).ban(output_ids, 0)
+
+
+def bad_words_ban_after(output_ids: list[int],
+                        bad_words_ids: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """`BadWords.ban_after` of `output_ids`."""
+    return BadWords(bad_words_ids).ban_after(output_ids, 0)
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -50,6 +50,7 @@ class Request:
     fork_source: Request | None = None  # an n>1 sibling whose prompt blocks this request may share
     hold_kv: bool = False  # prefill replica: keep the blocks when the request finishes, until released
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # see workers/penalties.py
+    bad_words: object | None = None  # `penalties.BadWords` of those, once a step has banned by them
     spec_token_ids: list[int] = field(default_factory=list)  # this step's draft tokens (speculation), if any
     # Its drafts' record (decayed): drafts kept, and drafts judged (those kept, plus the first refused).
     spec_kept: float = 0.0
@@ -59,6 +60,9 @@ class Request:
     may_draft: bool | None = None  # `Scheduler._may_speculate`'s part that never changes, once asked
     # how it samples, once that no longer changes from step to step (`workers/step_inputs.py`)
     sample_spec: object | None = None
+    # how it samples in a step queued ahead, once that no longer changes (its bans on the token in flight
+    # compared on the device: bad words of one or two tokens)
+    ahead_spec: object | None = None
     # what may stop it, set by `Scheduler.add_request` so that a step checks only the tokens that may: the token
     # ids that stop it (EOS unless ignored, `stop_token_ids`; after `min_tokens`), and its length (tokens in all)
     # at which `max_tokens` or `max_model_len` do. 0: every token is checked

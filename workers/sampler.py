@@ -89,14 +89,14 @@ def _sample_filtered(x: torch.Tensor, top_k: list[int], top_p: list[float], u: t
     vals, ids = x.topk(width, dim=-1)  # largest first
     drop = torch.arange(width, device=dev)[None, :] >= k[:, None]
     masked = vals.masked_fill(drop, float("-inf"))
-    with_k = torch.tensor([kk > 0 for kk in top_k], device=dev)
+    with_k = device_tensor([kk > 0 for kk in top_k], dev)
     # the probabilities top-p reads: over the top-k tokens where a row has top-k, else over the vocabulary
     norm = masked.logsumexp(-1)
     no_k = [row for row, kk in enumerate(top_k) if kk <= 0]
     if len(no_k) == n:
         norm = x.logsumexp(-1)
     elif no_k:
-        rows = torch.tensor(no_k, device=dev)
+        rows = device_tensor(no_k, dev)
         norm[rows] = x[rows].logsumexp(-1)
     probs = (masked - norm[:, None]).exp()
     drop |= (probs.cumsum(-1) - probs) >= p[:, None]
@@ -114,15 +114,37 @@ def _sample_filtered(x: torch.Tensor, top_k: list[int], top_p: list[float], u: t
     return tokens
 
 
-def _mask_banned(logits: torch.Tensor, banned: list[list[int] | None]) -> torch.Tensor:
-    """A copy of `logits` with each row's banned tokens at -inf (the same tensor if none are banned)."""
-    rows = [i for i, b in enumerate(banned) if b]
-    if not rows:
+def _mask_banned(logits: torch.Tensor, banned: list[list[int] | None],
+                 banned_after: list[list[tuple[int, int]] | None] | None = None,
+                 inflight: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of `logits` with each row's banned tokens at -inf (the same tensor if none are banned).
+    `banned_after`: per row, (token, banned) pairs that ban `banned` only if the row's token in flight
+    (`inflight`, on the device) is `token` (a bad word's last token, in a step queued ahead of the one that
+    samples the token before it). One copy to the device and one `index_add_` (-inf or 0 a pair), so no
+    step waits."""
+    flat: list[int] = []  # (row, token in flight or -1, banned) triples, flat
+    for i, b in enumerate(banned):
+        if b:
+            for t in b:
+                flat += (i, -1, t)
+    always = len(flat)
+    for i, pairs in enumerate(banned_after or ()):
+        if pairs:
+            for want, t in pairs:
+                flat += (i, want, t)
+    if not flat:
         return logits
     dev = logits.device
-    row_idx = torch.tensor([i for i in rows for _ in banned[i]], device=dev)
-    tok_idx = torch.tensor([t for i in rows for t in banned[i]], device=dev)
-    return logits.index_put((row_idx, tok_idx), torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+    rows, want, tokens = device_tensor(flat, dev, torch.long).view(-1, 3).unbind(1)
+    hit = want < 0
+    if len(flat) > always:
+        if inflight is None:
+            raise ValueError("bans on the token in flight need the tokens in flight")
+        hit |= inflight[rows] == want
+    out = logits.clone()
+    values = torch.zeros(rows.shape[0], dtype=logits.dtype, device=dev).masked_fill_(hit, float("-inf"))
+    out.view(-1).index_add_(0, rows * logits.shape[1] + tokens, values)  # (-inf + x is -inf; 0 + x is x)
+    return out
 
 
 @dataclass(slots=True)
@@ -193,12 +215,14 @@ def launch_sample(logits: torch.Tensor, params: list[SamplingParams], generators
                   extra: torch.Tensor | None = None, allowed: RowBitmask | None = None,
                   argmax: Callable[[torch.Tensor], torch.Tensor] = TorchLayerOps.argmax,
                   counts: TokenCounts | None = None, request_ids: list[str] | None = None,
-                  inflight: torch.Tensor | None = None) -> PendingSample:
+                  inflight: torch.Tensor | None = None,
+                  banned_after: list[list[tuple[int, int]] | None] | None = None) -> PendingSample:
     """`sample`'s kernels and its copy back, queued without waiting for them (see `PendingSample`).
     `counts`, `request_ids`, `inflight`: penalized rows' token counts kept between steps, and the token of
-    each row still in flight (`penalties.adjust_logits`)."""
+    each row still in flight (`penalties.adjust_logits`); `banned_after`: bans that hold only if a row's
+    token in flight is a given one (`_mask_banned`)."""
     raw = logits
-    logits = _mask_banned(logits, banned or [])
+    logits = _mask_banned(logits, banned or [], banned_after, inflight)
     if allowed is not None:
         logits = apply_token_bitmask(logits, allowed)
     logits = adjust_logits(logits, params, histories or [], counts, request_ids, inflight)

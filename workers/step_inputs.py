@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import CommonAttentionMetadata
-from workers.penalties import History, bad_words_ban
+from workers.penalties import BadWords, History
 from workers.prompt_logprobs import PromptLogprobsPlan, plan_prompt_logprobs
 from workers.request import Request
 from workers.sampler import RowBitmask
@@ -31,13 +31,16 @@ class SampleSpec:
     params: SamplingParams
     ban: list[int] | None
     history: History | None = None
+    # in a step queued ahead: (token, banned) pairs, `banned` banned only if the token in flight is `token`
+    # (a bad word's last token after its next-to-last: `penalties.bad_words_ban_after`)
+    ban_after: list[tuple[int, int]] | None = None
     # greedy, unseeded, banning nothing, logits as the model gave them, no logprobs: a batch of such rows
     # samples by argmax alone (`sampler.launch_greedy`)
     plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
-        self.plain = (p.greedy and self.seed is None and not self.ban and self.history is None
+        self.plain = (p.greedy and self.seed is None and not self.ban and not self.ban_after and self.history is None
                       and not p.adjusts_logits and p.logprobs is None)
 
 
@@ -179,8 +182,8 @@ def build_ahead_inputs(reqs: list[Request], block_size: int, num_heads: int, num
 
 def ahead_specs(reqs: list[Request]) -> list[SampleSpec]:
     """The specs of a step queued behind the one in flight: each request's kept one, or one built for the token
-    after its token in flight (a request still short of its `min_tokens`; never one with bad words, whose ban
-    reads the tokens before)."""
+    after its token in flight (a request still short of its `min_tokens`, whose ban counts that token; one with
+    bad words, whose bans on that token are compared with it on the device)."""
     specs = [r.sample_spec for r in reqs]
     if not all(specs):  # (`None in specs` would call each spec's `__eq__`: 50 us at batch 256)
         specs = _sample_specs(reqs, ahead=1)
@@ -195,22 +198,29 @@ def sampled_requests(out: SchedulerOutput) -> list[Request]:
 def _sample_specs(sampled: list[Request], ahead: int = 0) -> list[SampleSpec]:
     """One spec per request. A request that bans nothing now nor ever will (its `min_tokens` are out, it has
     no bad words) keeps its spec for the steps after (`Request.sample_spec`); a penalized one's history is its
-    own token list, which grows as its tokens are applied. `ahead`: tokens sampled and not yet applied before
-    the one these specs sample (a step queued ahead: 1; its requests have no bad words); a spec is kept only
-    once the applied tokens reach `min_tokens`, since the step in flight may yet be run again in turn."""
+    own token list, which grows as its tokens are applied. One whose bad words have one or two tokens keeps
+    its spec for steps queued ahead (`Request.ahead_spec`: its bans there never change). `ahead`: tokens
+    sampled and not yet applied before the one these specs sample (a step queued ahead: 1); a spec is kept
+    only once the applied tokens reach `min_tokens`, since the step in flight may yet be run again in turn."""
     specs: list[SampleSpec] = []
     failures: dict[str, str] = {}
     for r in sampled:
         spec = r.sample_spec
+        if spec is None and ahead:
+            spec = r.ahead_spec
         if spec is not None:
             specs.append(spec)
             continue
         try:
             p = r.sampling_params
             history = (r.all_token_ids, r.num_prompt_tokens) if p.penalizes else None
-            spec = SampleSpec(r.request_id, r.seed, p, _ban(r, ahead), history)
+            ban, after = _bans(r, ahead)
+            spec = SampleSpec(r.request_id, r.seed, p, ban, history, after)
             if spec.ban is None and not r.bad_words_token_ids and r.num_output_tokens >= p.min_tokens:
                 r.sample_spec = spec
+            elif (ahead and r.bad_words_token_ids and r.num_output_tokens + ahead >= p.min_tokens
+                  and not r.bad_words.longer):
+                r.ahead_spec = spec  # bad words of one or two tokens: the same bans one token ahead from now on
             specs.append(spec)
         except Exception as e:
             failures[r.request_id] = f"{type(e).__name__}: {e}"
@@ -219,14 +229,24 @@ def _sample_specs(sampled: list[Request], ahead: int = 0) -> list[SampleSpec]:
     return specs
 
 
-def _ban(req: Request, ahead: int = 0) -> list[int] | None:
-    """Tokens the request may not pick now (`ahead` tokens after its last applied one): those that would stop
-    it before its `min_tokens` are out (EOS and the stop token ids), and the last tokens of bad words the
-    output would complete."""
+def _bans(req: Request, ahead: int = 0) -> tuple[list[int] | None, list[tuple[int, int]] | None]:
+    """Tokens the request may not pick now (`ahead` tokens after its last applied one, 0 or 1): those that
+    would stop it before its `min_tokens` are out (EOS and the stop token ids), and the last tokens of bad
+    words the output would complete; then, one token ahead, the bad words' bans that hold only if the token in
+    flight is a given one (`SampleSpec.ban_after`)."""
     p = req.sampling_params
     banned = []
+    after = None
     if req.num_output_tokens + ahead < p.min_tokens:
         banned = ([] if p.ignore_eos or req.eos_token_id is None else [req.eos_token_id]) + p.stop_token_ids
     if req.bad_words_token_ids:
-        banned += bad_words_ban(req.output_token_ids, req.bad_words_token_ids)
-    return banned or None
+        words = req.bad_words
+        if words is None:
+            words = req.bad_words = BadWords(req.bad_words_token_ids)
+        if ahead:
+            assert ahead == 1, "bad words' bans look one token ahead at most"
+            always, after = words.ban_after(req.all_token_ids, len(req.prompt_token_ids))
+            banned = banned + always
+        else:
+            banned += words.ban(req.all_token_ids, len(req.prompt_token_ids))
+    return banned or None, after or None

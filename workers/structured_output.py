@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from workers.penalties import device_tensor
 from workers.request import Request
 from workers.sampler import RowBitmask
 from workers.structured_params import StructuredOutputsParams
@@ -171,13 +172,14 @@ class StructuredOutputManager:
 
     def bitmask(self, requests: list[Request]) -> RowBitmask | None:
         """The allowed next tokens of the constrained rows among `requests` (the step's sampling rows, in
-        order), on the device; None when no row is constrained."""
+        order), on the device; None when no row is constrained. A finished request's row is left free (a
+        step queued ahead samples a row for a request the step before ended: that token is dropped)."""
         if not self._sequences:
             return None
         rows, seqs = [], []
         for i, req in enumerate(requests):
             seq = self._sequences.get(req.request_id)
-            if seq is not None:
+            if seq is not None and not req.status.finished:
                 self._sync(req, seq)
                 rows.append(i)
                 seqs.append(seq)
@@ -185,10 +187,9 @@ class StructuredOutputManager:
             return None
         bits = self._buffer(len(rows))
         self._batch.batch_fill_next_token_bitmask([s.matcher for s in seqs], bits)
-        index = torch.tensor(rows)
-        if self.device.type != "cpu":
-            return RowBitmask(index.to(self.device, non_blocking=True), bits.to(self.device, non_blocking=True))
-        return RowBitmask(index, bits)
+        if self.device.type != "cpu":  # both through pinned memory, without waiting for the device
+            return RowBitmask(device_tensor(rows, self.device), bits.to(self.device, non_blocking=True))
+        return RowBitmask(torch.tensor(rows), bits)
 
     def _buffer(self, k: int) -> torch.Tensor:
         """The first `k` rows of the preallocated host bitmask (pinned for a GPU), grown when needed."""

@@ -342,7 +342,7 @@ def summary(report: dict) -> str:
         lines.append(f"  batch 1: graphs {g['decode_tok_s']:.0f} tok/s, eager {e['decode_tok_s']:.0f} tok/s, "
                      f"ratio {tp.get('batch1_graphs_over_eager') or 0:.2f}")
     audit = report["checks"].get("sync_audit", {})
-    for batch, run in (("", audit), ("penalized, ", audit.get("penalized") or {})):
+    for batch, run in (("", audit), ("varied, ", audit.get("varied") or {})):
         for kind in ("decode", "other"):
             if run.get(kind) and audit.get("sync_debug_mode"):
                 a = run[kind]

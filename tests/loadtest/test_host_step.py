@@ -39,8 +39,10 @@ def test_decode_steps_are_split_into_phases_and_the_engine_is_left_as_it_was(tmp
                       (engine.runner, "_forward"), (engine.outputs, "process")):
         assert name not in vars(obj)
     assert not engine.has_unfinished_requests() and engine.kv_cache.pool.num_free_blocks == engine.num_kv_blocks
-    # and it measures again
+    # and it measures again, with every request penalized and with bad words too
     assert host_step.measure(engine, prompts, 2, OutputKind.FINAL_ONLY)["decode_steps"] == 2
+    assert host_step.measure(engine, prompts, 2, OutputKind.FINAL_ONLY, frequency_penalty=0.2,
+                             bad_words=["in", "at is"])["decode_steps"] == 2
 
 
 @pytest.mark.parametrize("ahead", [False, True])

@@ -8,11 +8,16 @@ back to the pool."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from workers.engine import Engine
 from workers.output_processor import OutputKind
+from workers.penalties import bad_words_token_ids
 from workers.sampling_params import SamplingParams
+from workers.structured_params import StructuredOutputsParams
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(100, 140)), [42] * 17, list(range(300, 303)), list(range(7, 30))]
 
@@ -197,6 +202,64 @@ def test_requests_short_of_min_tokens_run_ahead_banning_their_stop_ids_by_count(
     for i, (_, params) in enumerate(reqs):
         [(_, _, tokens, reason, stop, _), _] = plain[f"q{i}"][-1]
         assert reason == "stop" and stop == params.stop_token_ids[0] and len(tokens) == params.min_tokens + 1
+
+
+def _words(engine: Engine, tokens: list[int], k: int, n: int) -> str | None:
+    """The text of `tokens[k:k + n]` if bad words made from it ban exactly those ids (the text round-trips)."""
+    text = engine.tokenizer.decode(tokens[k:k + n])
+    return text if tokens[k:k + n] in bad_words_token_ids(engine.tokenizer, [text]) else None
+
+
+def test_bad_words_run_ahead_banning_on_the_device_where_the_token_in_flight_begins_one(engine):
+    """A bad word's last token is banned after its other tokens; one token ahead, where the token before it
+    is still in flight, that ban is compared with it on the device (`SampleSpec.ban_after`). Each request's
+    words are one, two and three tokens of what it says without them, so the bans change its output there:
+    the same outputs as in turn, with every step after the prefill run ahead."""
+    prompts = [PROMPTS[i] for i in (0, 1, 3, 4)]
+    free = _run(engine, False, [(p, _greedy(14)) for p in prompts])
+    reqs, where = [], []
+    for i, prompt in enumerate(prompts):
+        tokens = free[f"q{i}"][-1][0][2]
+        n = (1, 2, 3, 2)[i]
+        k, word = next((k, w) for k in range(2 + i, 14 - n) if (w := _words(engine, tokens, k, n)) is not None
+                       and tokens[k + n - 1] not in tokens[:k + n - 1])
+        reqs.append((prompt, _greedy(14, bad_words=[word])))
+        where.append((k, n))
+    plain = _run(engine, False, reqs)
+    ahead = _run(engine, True, reqs)
+    _same(plain, ahead)
+    assert ahead["ahead"] >= 10
+    for i, (k, n) in enumerate(where):
+        before, after = free[f"q{i}"][-1][0][2], plain[f"q{i}"][-1][0][2]
+        assert after[:k + n - 1] == before[:k + n - 1] and after[k + n - 1] != before[k + n - 1]
+
+
+def test_under_a_grammar_the_forward_pass_runs_ahead_and_the_rows_sample_once_the_step_before_is_applied(engine):
+    """A grammar's mask needs the token in flight on the host, so beside a constrained request a step queued
+    ahead queues its forward pass only, and samples once the step in front is applied (`RunAhead.sample`):
+    the constrained rows under masks from their grammars as advanced by that step's tokens, the others as
+    ever. The same outputs as in turn, each constrained one following its grammar; grammars ending at
+    different steps (a regex, a choice, a JSON schema) drop their rows from steps already queued."""
+    pytest.importorskip("xgrammar")  # (not on a lent GPU machine, whose rehearsal runs this file)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    constrained = [StructuredOutputsParams(regex=r"[a-z]{3,6} \d{2}"),
+                   StructuredOutputsParams(choice=["yes", "no way"]),
+                   StructuredOutputsParams(json=schema, disable_any_whitespace=True)]
+    reqs = [(PROMPTS[i], SamplingParams(max_tokens=24, temperature=0, structured_outputs=c))
+            for i, c in enumerate(constrained)]
+    reqs += [(PROMPTS[3], _greedy(20)), (PROMPTS[4], SamplingParams(max_tokens=18, temperature=0.9, seed=5,
+                                                                   ignore_eos=True, frequency_penalty=0.5))]
+    forwards = engine._ahead.forwards_queued
+    plain = _run(engine, False, reqs, OutputKind.DELTA)
+    assert engine._ahead.forwards_queued == forwards
+    ahead = _run(engine, True, reqs, OutputKind.DELTA)
+    _same(plain, ahead)
+    deferred = engine._ahead.forwards_queued - forwards  # (once the grammars have ended, steps sample ahead)
+    assert ahead["ahead"] >= 8 and 3 <= deferred < ahead["ahead"]
+    text = ["".join(o[0][1] for o in plain[f"q{i}"]) for i in range(3)]
+    assert re.fullmatch(r"[a-z]{3,6} \d{2}", text[0]) and text[1] in ("yes", "no way") and "a" in json.loads(text[2])
+    assert all(plain[f"q{i}"][-1][0][3] == "stop" for i in range(3))  # each grammar ended its request
 
 
 def test_aborts_and_requests_arriving_while_steps_run_ahead(engine):

@@ -10,6 +10,7 @@ from llm_runs import greedy_tokens
 
 from serving import LLM, SamplingParams
 from workers.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture
+from workers.penalties import bad_words_token_ids
 from workers.request import Request
 from workers.scheduler import SchedulerOutput
 from workers.sizing import gpu_kv_budget, resolve_device
@@ -110,8 +111,9 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
     device (`DecodeGraphs.advance`) instead of building its inputs: with blocks of 4 tokens rows take new
     blocks every few steps, and requests ending apart make the steps after an end build theirs again (fewer
     rows), then advance again. Tokens as the torch backend's, eager; `penalized`, with penalties on some rows,
-    which count each row's token in flight from the sampled ids the advanced step reads, and a row short of its
-    `min_tokens`, whose ban counts that token too (its spec changes as the steps advance)."""
+    which count each row's token in flight from the sampled ids the advanced step reads, a row short of its
+    `min_tokens`, whose ban counts that token too (its spec changes as the steps advance), and a bad word of
+    two tokens a penalized row says, whose last is banned where that token is the word's first."""
     from llm_runs import PROMPTS as prompts
 
     pen = [{}] * 4
@@ -132,8 +134,14 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
         k = next(k for k in range(10, 20) if free[k] not in free[:k])
         params[3] = SamplingParams(max_tokens=22, temperature=0, ignore_eos=True, min_tokens=k,
                                    stop_token_ids=[free[k]])
+        said, tok = reference[0], eager.engine.tokenizer  # (and a bad word on the first, penalized row)
+        j, word = next((j, w) for j in range(4, 20) if said[j + 1] not in said[:j + 1]
+                       and said[j:j + 2] in bad_words_token_ids(tok, [w := tok.decode(said[j:j + 2])]))
+        params[0] = SamplingParams(max_tokens=22, temperature=0, ignore_eos=True, frequency_penalty=0.7,
+                                   bad_words=[word])
         reference = tokens(eager)
         assert len(reference[3]) == k + 1
+        assert reference[0][:j + 1] == said[:j + 1] and reference[0][j + 1] != said[j + 1]
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
               num_speculative_tokens=0, async_scheduling=True, block_size=4)
     runner = llm.engine.runner

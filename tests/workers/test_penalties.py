@@ -3,14 +3,17 @@ reference; plus the prompt-logprobs packing that rides the sampler's one copy ba
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from workers import penalties
-from workers.penalties import TokenCounts, adjust_logits, apply_min_p, bad_words_ban, bad_words_token_ids
+from workers.penalties import (TokenCounts, adjust_logits, apply_min_p, bad_words_ban, bad_words_ban_after,
+                               bad_words_token_ids)
 from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
-from workers.sampler import sample
+from workers.sampler import _mask_banned, sample
 from workers.sampling_params import SamplingParams
 
 VOCAB = 40
@@ -148,6 +151,46 @@ def test_bad_words_ban_last_token_after_its_prefix():
     assert bad_words_ban([9, 7], words) == [5, 8]
     assert bad_words_ban([1, 2], words) == [5, 3]
     assert bad_words_ban([2, 1], words) == [5]
+
+
+def _reference_ban(output: list[int], words: list[list[int]]) -> list[int]:
+    return [w[-1] for w in words
+            if len(w) == 1 or (len(output) >= len(w) - 1 and output[len(output) - len(w) + 1:] == w[:-1])]
+
+
+def test_bad_words_bans_against_a_plain_reference_and_after_a_token_in_flight_as_with_it():
+    """`BadWords.ban` is the plain rule (a word's last token banned where the output ends with its other
+    tokens; prompt tokens never count), and one token ahead, where the host does not know the token in
+    flight, what it bans whatever that token is, with the pairs banned where that token is a given one, is
+    exactly the ban once the token is known."""
+    rng = random.Random(4)
+    for _ in range(400):
+        words = [[rng.randrange(6) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 5))]
+        prompt = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
+        out = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+        bw = penalties.BadWords(words)
+        assert sorted(bw.ban(prompt + out, len(prompt))) == sorted(_reference_ban(out, words))
+        always, pairs = bw.ban_after(prompt + out, len(prompt))
+        for t in range(6):
+            assert sorted(always + [b for want, b in pairs if want == t]) == sorted(_reference_ban(out + [t], words))
+    assert bad_words_ban_after([9], [[5], [7, 8], [1, 2, 3], [9, 4, 6]]) == ([5], [(7, 8), (4, 6)])
+
+
+def test_bans_on_the_token_in_flight_hold_only_for_that_token():
+    """`_mask_banned`'s pairs ban a row's token where its token in flight is the pair's first; bans for every
+    token hold in any case; duplicates and a ban met twice leave -inf; the logits it was given are untouched."""
+    logits = torch.arange(24, dtype=torch.float32).view(3, 8)
+    inflight = torch.tensor([2, 5, 2])
+    out = _mask_banned(logits, [[1], None, None], [[(2, 3), (4, 6)], [(5, 3), (5, 3), (2, 4)], [(7, 0)]], inflight)
+    expect = logits.clone()
+    expect[0, [1, 3]] = expect[1, 3] = float("-inf")
+    assert torch.equal(out, expect) and torch.equal(logits, torch.arange(24, dtype=torch.float32).view(3, 8))
+    bf16 = _mask_banned(logits.bfloat16(), [[1, 1], None, [0]], [None, [(5, 7)], None], inflight)
+    expect = logits.bfloat16()
+    expect[0, 1] = expect[2, 0] = expect[1, 7] = float("-inf")
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, expect)
+    with pytest.raises(ValueError, match="in flight"):
+        _mask_banned(logits, [None] * 3, [[(2, 3)], None, None])
 
 
 def test_bad_words_tokenized_with_and_without_leading_space(tokenizer):

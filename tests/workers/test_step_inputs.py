@@ -157,3 +157,31 @@ def test_a_step_queued_ahead_bans_by_the_count_with_the_token_in_flight():
                      (3, None, None, True)]
     kept = r.sample_spec
     assert step_inputs.ahead_specs([r])[0] is kept
+
+
+def test_a_step_queued_ahead_bans_a_bad_words_last_token_where_the_token_in_flight_may_begin_it():
+    """`ahead_specs` for a request with bad words: one-token words banned outright, and each longer word whose
+    tokens before its last two end the applied output gives a (next-to-last, last) pair (`ban_after`), which
+    the device compares with the token in flight; such a spec is never kept and is never plain."""
+    r = Request("w", [5, 6, 7], SamplingParams(max_tokens=16), 16)
+    r.bad_words_token_ids = [[4], [8, 9], [10, 11, 12]]
+    got = []
+    for token in (10, 3, 10):
+        spec = step_inputs.ahead_specs([r])[0]
+        got.append((spec.ban, spec.ban_after, spec.plain))
+        r.append_token(token)
+    assert got == [([4], [(8, 9)], False), ([4], [(8, 9), (11, 12)], False), ([4], [(8, 9)], False)]
+    r.append_token(11)
+    assert step_inputs._sample_specs([r])[0].ban == [4, 12] and r.sample_spec is None
+    assert step_inputs._sample_specs([r])[0].ban_after is None
+    short = Request("s", [5, 6, 7], SamplingParams(max_tokens=16, min_tokens=2), 16)
+    short.bad_words_token_ids = [[4], [8, 9]]  # bans one token ahead that never change, once min_tokens allows
+    short.eos_token_id = 2
+    first = step_inputs.ahead_specs([short])[0]
+    assert first.ban == [2, 4] and first.ban_after == [(8, 9)] and short.ahead_spec is None
+    short.append_token(3)
+    kept = step_inputs.ahead_specs([short])[0]
+    assert kept.ban == [4] and kept.ban_after == [(8, 9)] and short.ahead_spec is kept
+    short.append_token(8)
+    assert step_inputs.ahead_specs([short])[0] is kept and short.sample_spec is None
+    assert step_inputs._sample_specs([short])[0].ban == [4, 9]  # in turn: the last token known
