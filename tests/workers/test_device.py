@@ -105,16 +105,20 @@ def test_decode_graphs_with_async_scheduling_replay_the_eager_tokens(tiny_model_
     assert len(ahead) >= 10 and 4 in ahead
 
 
-@pytest.mark.parametrize("penalized", [False, True])
-def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_dir, penalized):
+@pytest.mark.parametrize("variant", ["plain", "penalized", "grammar"])
+def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_dir, variant):
     """A step queued ahead over the same rows as the graph step before it advances that graph's buffers on the
     device (`DecodeGraphs.advance`) instead of building its inputs: with blocks of 4 tokens rows take new
     blocks every few steps, and requests ending apart make the steps after an end build theirs again (fewer
     rows), then advance again. Tokens as the torch backend's, eager; `penalized`, with penalties on some rows,
     which count each row's token in flight from the sampled ids the advanced step reads, a row short of its
     `min_tokens`, whose ban counts that token too (its spec changes as the steps advance), and a bad word of
-    two tokens a penalized row says, whose last is banned where that token is the word's first."""
+    two tokens a penalized row says, whose last is banned where that token is the word's first; `grammar`,
+    with a row under a grammar, beside which the advanced steps queue their forward passes and sample once
+    the step in front is applied (`AheadForward`, `RunAhead.sample`)."""
     from llm_runs import PROMPTS as prompts
+
+    penalized = variant == "penalized"
 
     pen = [{}] * 4
     if penalized:
@@ -129,6 +133,7 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
 
     eager = LLM(tiny_model_dir, dtype="float32", attention_backend="torch", kv_cache_memory="16MiB", block_size=4)
     reference = tokens(eager)
+    free3 = reference[3]
     if penalized:  # and a row short of its min_tokens, whose stop id is the token the model picks at that index
         free = reference[3]
         k = next(k for k in range(10, 20) if free[k] not in free[:k])
@@ -142,6 +147,14 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
         reference = tokens(eager)
         assert len(reference[3]) == k + 1
         assert reference[0][:j + 1] == said[:j + 1] and reference[0][j + 1] != said[j + 1]
+    if variant == "grammar":  # lowercase letters and spaces, longer than the row's 22 tokens can say
+        pytest.importorskip("xgrammar")
+        from serving import StructuredOutputsParams
+
+        params[3] = SamplingParams(max_tokens=22, temperature=0, structured_outputs=StructuredOutputsParams(
+            regex="[a-z ]{200}"))
+        reference = tokens(eager)
+        assert len(reference[3]) == 22 and reference[3] != free3
     llm = LLM(tiny_model_dir, dtype="float32", attention_backend="triton", device="cpu", kv_cache_memory="16MiB",
               num_speculative_tokens=0, async_scheduling=True, block_size=4)
     runner = llm.engine.runner
@@ -156,6 +169,7 @@ def test_steps_queued_ahead_advance_the_graphs_buffers_on_the_device(tiny_model_
     graphs.advance = advanced
     graphs.run = lambda *args: calls.append(("run", args[0].shape[0], 0)) or run(*args)
     assert tokens(llm) == reference
+    assert (llm.engine._ahead.forwards_queued >= 10) == (variant == "grammar")
     advances = [c for c in calls if c[0] == "advance"]
     assert len(advances) >= 12 and sum(c[2] for c in advances) >= 8  # new blocks reached the device buffers
     assert {c[1] for c in advances} >= {2, 3, 4}  # advanced again after each end
