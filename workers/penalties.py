@@ -109,14 +109,22 @@ def _apply_logit_bias(x: torch.Tensor, params: list[SamplingParams]) -> None:
 
 def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: torch.Tensor,
                      prompt: torch.Tensor) -> None:
-    """Penalties on `x` (float32 logits) in place, from each row's output tokens' counts and its prompt's tokens."""
+    """Penalties on `x` (float32 logits) in place, from each row's output tokens' counts and its prompt's tokens.
+    Each pass runs only if some row needs it, and each is one in-place pass over the logits (`mul_`,
+    `addcmul_`): a batch-256 step's rows are 50 MB a pass in float32 at a 49,152-token vocabulary. A positive
+    logit is multiplied by the penalty's reciprocal rather than divided by it (within an ulp)."""
     coef = device_tensor([[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in params], x.device,
                          torch.float)  # one copy
     freq, pres, rep = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
-    present = out_counts > 0
-    if any(p.repetition_penalty != 1 for p in params):
-        x.copy_(torch.where(prompt | present, torch.where(x > 0, x / rep, x * rep), x))
-    x -= freq * out_counts + pres * present
+    any_rep = any(p.repetition_penalty != 1 for p in params)
+    any_pres = any(p.presence_penalty != 0 for p in params)
+    present = out_counts > 0 if any_rep or any_pres else None
+    if any_rep:
+        x.mul_(torch.where(prompt | present, torch.where(x > 0, 1 / rep, rep), 1.0))
+    if any(p.frequency_penalty != 0 for p in params):
+        x.addcmul_(out_counts, freq, value=-1)
+    if any_pres:
+        x.addcmul_(present, pres, value=-1)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[History | None],
