@@ -43,6 +43,7 @@ class TokenCounts:
         self._rows: dict[str, list[int]] = {}  # request id -> [row, prompt length, output tokens counted]
         self._free: list[int] = []
         self._used = 0  # rows ever taken
+        self.span: slice | None = None  # the last call's rows as a slice, when they are consecutive and in order
 
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -51,7 +52,9 @@ class TokenCounts:
                 self._free.append(entry[0])
 
     def rows(self, request_ids: list, histories: list[History], vocab: int, device: torch.device) -> torch.Tensor:
-        """The row of each request (int64, on `device`), its counts brought up to date with its history."""
+        """The row of each request (int64, on `device`), its counts brought up to date with its history; when
+        the rows are consecutive and in order (a batch that came together), `span` holds them as a slice, for
+        views instead of gathers."""
         if self.out is None or self.out.shape[1] != vocab or self.out.device != device:
             self._rows, self._free, self._used = {}, [], 0
             self.out = torch.zeros(0, vocab, device=device)
@@ -78,6 +81,8 @@ class TokenCounts:
             grow = max(8, self.out.shape[0], self._used - self.out.shape[0])
             self.out = torch.cat([self.out, self.out.new_zeros(grow, vocab)])
             self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(grow, vocab)])
+        self.span = slice(rows[0], rows[-1] + 1) if rows and rows[-1] - rows[0] == len(rows) - 1 and all(
+            b - a == 1 for a, b in zip(rows, rows[1:])) else None
         parts = [fresh, added, marked, rows]
         packed = device_tensor([v for part in parts for v in part], device, torch.long)  # one copy
         fresh_t, added_t, marked_t, rows_t = packed.split([len(p) for p in parts])
@@ -150,14 +155,23 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], histories:
         counts = counts if counts is not None else TokenCounts()
         keys = request_ids if request_ids is not None else list(range(len(params)))
         slots = counts.rows([keys[i] for i in batch_rows], [histories[i] for i in batch_rows], x.shape[1], dev)
-        out_counts = counts.out[slots]
-        if inflight is not None:
-            ids = inflight if len(batch_rows) == len(params) else inflight[device_tensor(batch_rows, dev)]
-            out_counts.scatter_add_(1, ids[:, None], torch.ones(len(pen), 1, device=dev))
+        span = counts.span
+        # the kept rows themselves where they are consecutive (no 50 MB gather at batch 256), else a gathered copy
+        if span is not None:
+            out_counts, prompt = counts.out[span], counts.prompt[span]
+        else:
+            out_counts, prompt = counts.out[slots], counts.prompt[slots]
+        one = None
+        if inflight is not None:  # each row's token in flight: counted in the copy, or in the kept rows and out again
+            ids = (inflight if len(batch_rows) == len(params) else inflight[device_tensor(batch_rows, dev)])[:, None]
+            one = torch.ones(len(pen), 1, device=dev)
+            out_counts.scatter_add_(1, ids, one)
         whole = len(pen) == len(sub)
         pen_idx = None if whole else device_tensor(pen, dev)
         y = x if whole else x[pen_idx]
-        _apply_penalties(y, [sub[j] for j in pen], out_counts, counts.prompt[slots])
+        _apply_penalties(y, [sub[j] for j in pen], out_counts, prompt)
+        if one is not None and span is not None:
+            out_counts.scatter_add_(1, ids, one.neg_())  # (whole numbers in float32: exactly as they were)
         if not whole:
             x[pen_idx] = y
     if every:

@@ -100,19 +100,26 @@ def test_counts_kept_between_steps_follow_each_history(batch, monkeypatch):
     assert counts._used == 3 and counts._rows["f"][0] == 0
 
 
-@pytest.mark.parametrize("rows", ["all", "some"])
+@pytest.mark.parametrize("rows", ["all", "some", "out of order"])
 def test_a_token_in_flight_counts_as_the_histories_next(batch, rows):
     """A step queued behind the one that samples its rows' last tokens: those tokens come as a device tensor
-    (`inflight`, one per row of the batch) and count as if each history ended with its own."""
+    (`inflight`, one per row of the batch) and count as if each history ended with its own, whether the kept
+    counts are read in place (rows consecutive: the token counted there and taken out again) or gathered
+    (`out of order`: the batch's requests in the order opposite to their rows')."""
     logits, params, histories = batch
-    if rows == "all":  # every row penalized
+    if rows != "some":  # every row penalized
         params = [SamplingParams(frequency_penalty=0.5 + 0.1 * i, repetition_penalty=1.3) for i in range(5)]
     nxt = [3, 7, 9, 30, 0]
-    full = [(h + [t], n) for (h, n), t in zip(histories, nxt)]
+    ids = list("abcde")
     counts = TokenCounts()
+    if rows == "out of order":
+        adjust_logits(logits, params, histories, counts, ids)  # rows 0-4, then the batch in reverse
+        params, histories, nxt, ids = params[::-1], histories[::-1], nxt[::-1], ids[::-1]
+    full = [(h + [t], n) for (h, n), t in zip(histories, nxt)]
     raw = logits.clone()
-    for _ in range(2):  # counted anew, then from the kept counts
-        got = adjust_logits(logits, params, histories, counts, list("abcde"), inflight=torch.tensor(nxt))
+    for _ in range(2):  # counted anew (or from the rows above), then from the kept counts
+        got = adjust_logits(logits, params, histories, counts, ids, inflight=torch.tensor(nxt))
+        assert (counts.span is None) == (rows == "out of order")
         torch.testing.assert_close(got, adjust_logits(logits, params, full))
     assert not torch.equal(got, adjust_logits(logits, params, histories))
     assert torch.equal(logits, raw)  # adjusted in a copy, every row or some (the logprobs read the raw ones)
