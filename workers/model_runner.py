@@ -55,7 +55,7 @@ class AheadForward:
     (`ModelRunner.launch_ahead(defer_sample=True)`): a grammar's mask needs the token in flight on the host,
     so the rows sample once the step in front has been applied (`ModelRunner.sample_ahead`)."""
 
-    reqs: list
+    reqs: list[Request]
     logits: torch.Tensor
     specs: list[SampleSpec]
     plain: bool

@@ -233,17 +233,6 @@ class BadWords:
         return self.always, pairs
 
 
-def bad_words_ban(output_ids: list[int], bad_words_ids: list[list[int]]) -> list[int]:
-    """The last tokens of the bad words whose other tokens end `output_ids` (one-token words always)."""
-    return BadWords(bad_words_ids).ban(output_ids, 0)
-
-
-def bad_words_ban_after(output_ids: list[int],
-                        bad_words_ids: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
-    """`BadWords.ban_after` of `output_ids`."""
-    return BadWords(bad_words_ids).ban_after(output_ids, 0)
-
-
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     """Each word's token ids, as vLLM makes them: the word without leading spaces, and also with one
     leading space when that tokenizes to as many tokens but starts differently."""

@@ -32,7 +32,7 @@ class SampleSpec:
     ban: list[int] | None
     history: History | None = None
     # in a step queued ahead: (token, banned) pairs, `banned` banned only if the token in flight is `token`
-    # (a bad word's last token after its next-to-last: `penalties.bad_words_ban_after`)
+    # (a bad word's last token after its next-to-last: `penalties.BadWords.ban_after`)
     ban_after: list[tuple[int, int]] | None = None
     # greedy, unseeded, banning nothing, logits as the model gave them, no logprobs: a batch of such rows
     # samples by argmax alone (`sampler.launch_greedy`)

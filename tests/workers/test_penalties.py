@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from workers import penalties
-from workers.penalties import (TokenCounts, adjust_logits, apply_min_p, bad_words_ban, bad_words_ban_after,
-                               bad_words_token_ids)
+from workers.penalties import BadWords, TokenCounts, adjust_logits, apply_min_p, bad_words_token_ids
 from workers.prompt_logprobs import PromptLogprobsPlan
 from workers.request import Request
 from workers.sampler import _mask_banned, sample
@@ -154,10 +153,12 @@ def test_min_p_matches_reference_and_sampling_respects_it():
 
 def test_bad_words_ban_last_token_after_its_prefix():
     words = [[5], [7, 8], [1, 2, 3]]
-    assert bad_words_ban([], words) == [5]
-    assert bad_words_ban([9, 7], words) == [5, 8]
-    assert bad_words_ban([1, 2], words) == [5, 3]
-    assert bad_words_ban([2, 1], words) == [5]
+    bw = BadWords(words)
+    assert bw.ban([], 0) == [5]
+    assert bw.ban([9, 7], 0) == [5, 8]
+    assert bw.ban([1, 2], 0) == [5, 3]
+    assert bw.ban([2, 1], 0) == [5]
+    assert bw.ban([7, 1, 2], 1) == [5, 3] and bw.ban([1, 2], 1) == [5]  # the prompt's tokens never make a word
 
 
 def _reference_ban(output: list[int], words: list[list[int]]) -> list[int]:
@@ -175,12 +176,12 @@ def test_bad_words_bans_against_a_plain_reference_and_after_a_token_in_flight_as
         words = [[rng.randrange(6) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 5))]
         prompt = [rng.randrange(6) for _ in range(rng.randint(1, 4))]
         out = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
-        bw = penalties.BadWords(words)
+        bw = BadWords(words)
         assert sorted(bw.ban(prompt + out, len(prompt))) == sorted(_reference_ban(out, words))
         always, pairs = bw.ban_after(prompt + out, len(prompt))
         for t in range(6):
             assert sorted(always + [b for want, b in pairs if want == t]) == sorted(_reference_ban(out + [t], words))
-    assert bad_words_ban_after([9], [[5], [7, 8], [1, 2, 3], [9, 4, 6]]) == ([5], [(7, 8), (4, 6)])
+    assert BadWords([[5], [7, 8], [1, 2, 3], [9, 4, 6]]).ban_after([9], 0) == ([5], [(7, 8), (4, 6)])
 
 
 def test_bans_on_the_token_in_flight_hold_only_for_that_token():
