@@ -330,14 +330,15 @@ class Engine:
             # (a request that breaks it fails alone)
             self._inflight = None
             run = execute_isolating(self.runner.execute, current.sched)
+        # under a grammar the step queued ahead samples once these tokens are applied, its masks read from them
+        deferred = self._inflight is not None and self._inflight.pending is None
         try:
             self._apply(run)
         except BaseException:
-            if self._inflight is not None and self._inflight.pending is None:
-                self._inflight = None  # its sampling was to follow these tokens: scheduled again from here
+            if deferred:
+                self._inflight = None  # scheduled again from here
             raise
-        if self._inflight is not None and self._inflight.pending is None:
-            # under a grammar: the step queued ahead samples now, its rows' masks read from the tokens applied
+        if deferred:
             self._inflight = self._ahead.sample(self._inflight)
         return earlier + self._take_pending()
 
