@@ -281,25 +281,14 @@ class Engine:
         A request that breaks the step fails alone: it is aborted (its blocks go back to the pool), its
         error is in `failed` (request id -> message) until the next step, and the others go on.
 
-        With `overlap_outputs` (on a GPU) the outputs of a step are made during the next one, while the
-        device runs it. At batch 256 on an H200 the host's work was ~3.4 ms of a 4.9 ms decode step, the
-        device idle meanwhile, and making the outputs (detokenizing, stop strings, `RequestOutput`s) about a
-        third of it under Python's profiler (docs/benchmarks.md). A step then reports the previous step's
-        outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
+        With `overlap_outputs` (on a GPU) the outputs of a step (text, stop strings, `RequestOutput`s: a third
+        of the host's work in a batch-256 step on an H200, docs/benchmarks.md) are made during the next one,
+        while the device runs it. A step then reports the previous step's outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
         true until they are out; a stop string found then finishes its request, whose token from the step
         in flight is dropped, as if it had not been scheduled.
 
-        With `async_scheduling` (one GPU; steps without drafts) a decode step goes further: before the host
-        waits for it, the next decode step of the same requests is queued behind it on the device, its input
-        ids read there from this step's sampled ids (`workers/run_ahead.py`), so that the host applies this step and
-        makes its outputs while the device runs the next. The next `step()` call collects that step (and
-        queues the one after), with no scheduling of its own, as long as nothing else waits: no request
-        waiting to be admitted, a free slot for every one (penalties, bad words and `min_tokens` read the token
-        in flight: penalties and bad words on the device, `min_tokens` by count on the host). Under a grammar,
-        whose mask needs that token on the host, only the next step's forward pass is queued ahead, and its
-        sampling once this step is applied, before its outputs are made. A
-        request that this step ends (a stop token, a stop string, an abort) computes one token more in the
-        step queued behind, which is dropped, and gives back its blocks as if it had not been scheduled."""
+        With `async_scheduling` (one GPU; steps without drafts) a decode step goes further: the step after it
+        is queued behind it on the device before the host waits for it (`_step_ahead`)."""
         self.failed = {}
         current, self._inflight = self._inflight, None
         if current is None:
@@ -310,13 +299,20 @@ class Engine:
             self.outputs.mark_scheduled(sched.admitted, time.monotonic())
             current = self._ahead.launch(sched) if self.async_scheduling else None
             if current is None:
-                # decode rows only, timed while drafts are being decided (`keep_odds`): what `StepCosts` fits
-                costs = self.scheduler.step_costs
-                decode_only = costs is not None and self.scheduler.speculates() and sched.decodes_only()
-                outputs = self._step_in_turn(sched)
-                if decode_only:
-                    costs.observe(sched.total_num_tokens, time.perf_counter() - start)
-                return outputs
+                return self._step_in_turn(sched, start)
+        return self._step_ahead(current)
+
+    def _step_ahead(self, current: InFlight) -> list[RequestOutput]:
+        """Collect `current`, a decode step queued on the device, queuing the next decode step of the same
+        requests behind it first, its input ids read there from `current`'s sampled ids (`workers/run_ahead.py`),
+        so that the host applies `current` and makes its outputs while the device runs the next. The next
+        `step()` call collects that step (and queues the one after), with no scheduling of its own, as long as
+        nothing else waits: no request waiting to be admitted, a free slot for every one (penalties, bad words
+        and `min_tokens` read the token in flight: penalties and bad words on the device, `min_tokens` by count
+        on the host). Under a grammar, whose mask needs that token on the host, only the next step's forward
+        pass is queued ahead, and its sampling once `current` is applied, before its outputs are made. A
+        request that `current` ends (a stop token, a stop string, an abort) computes one token more in the step
+        queued behind, which is dropped, and gives back its blocks as if it had not been scheduled."""
         self._inflight = self._ahead.run_ahead(current)
         try:
             earlier = self._take_pending()  # outputs left by a step before (the device is busy meanwhile)
@@ -342,9 +338,12 @@ class Engine:
             self._inflight = self._ahead.sample(self._inflight)
         return earlier + self._take_pending()
 
-    def _step_in_turn(self, sched: SchedulerOutput) -> list[RequestOutput]:
+    def _step_in_turn(self, sched: SchedulerOutput, start: float) -> list[RequestOutput]:
         """Run `sched` and wait for it; with `overlap_outputs`, the last step's outputs are made while the
-        device runs it and this step's are left for the next."""
+        device runs it and this step's are left for the next. A decode-only step is timed from `start` (before
+        it was scheduled) while drafts are being decided (`keep_odds`): what `StepCosts` fits."""
+        costs = self.scheduler.step_costs
+        decode_only = costs is not None and self.scheduler.speculates() and sched.decodes_only()
         earlier: list[RequestOutput] = [] if self.overlap_outputs else self._take_pending()
         made: list[list[RequestOutput]] = []
         errors: list[BaseException] = []
@@ -367,9 +366,10 @@ class Engine:
             raise errors[0]
         earlier += made[0] if made else []
         self._apply(run)
-        if self.overlap_outputs:
-            return earlier
-        return earlier + self._take_pending()
+        outputs = earlier if self.overlap_outputs else earlier + self._take_pending()
+        if decode_only:
+            costs.observe(sched.total_num_tokens, time.perf_counter() - start)
+        return outputs
 
     def _apply(self, run: IsolatedStep) -> None:
         """Fail the step's failed requests, apply the sampled tokens of the others (not of those finished

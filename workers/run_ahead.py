@@ -4,7 +4,7 @@ the device behind the one it runs, before that step's tokens are known, and queu
 A step queued ahead has each request of the step in flight that goes on, one row at the position after its
 token in flight, over a slot the scheduler allocates for it now (`Scheduler.schedule_ahead`,
 `step_inputs.build_ahead_inputs`), its input id read on the device from the step in flight's sampled ids
-(`ModelRunner.launch_ahead`). `Engine.step` collects and applies the steps; this module decides whether they
+(`ModelRunner.launch_ahead`). `Engine._step_ahead` collects and applies the steps; this module decides whether they
 may run ahead and queues them: whole, or under a grammar their forward pass, their sampling once the step in
 front is applied (`RunAhead.sample`)."""
 
@@ -67,7 +67,7 @@ class RunAhead:
     def run_ahead(self, current: InFlight) -> InFlight | None:
         """The decode step after `current`, queued behind it on the device before its tokens are known
         (`Scheduler.schedule_ahead` picks its requests and their slots). None if it may not run ahead (see
-        `Engine.step`)."""
+        `Engine._step_ahead`)."""
         ahead = (self.scheduler.schedule_ahead(current.sched) if self.may_run_ahead(current.sched, current.checked)
                  else None)
         if ahead is None:
