@@ -283,9 +283,10 @@ class Engine:
 
         With `overlap_outputs` (on a GPU) the outputs of a step (text, stop strings, `RequestOutput`s: a third
         of the host's work in a batch-256 step on an H200, docs/benchmarks.md) are made during the next one,
-        while the device runs it. A step then reports the previous step's outputs (a step with nothing to schedule reports the last ones), so has_unfinished_requests() stays
-        true until they are out; a stop string found then finishes its request, whose token from the step
-        in flight is dropped, as if it had not been scheduled.
+        while the device runs it. A step then reports the previous step's outputs (a step with nothing to
+        schedule reports the last ones), so has_unfinished_requests() stays true until they are out; a stop
+        string found then finishes its request, whose token from the step in flight is dropped, as if it had
+        not been scheduled.
 
         With `async_scheduling` (one GPU; steps without drafts) a decode step goes further: the step after it
         is queued behind it on the device before the host waits for it (`_step_ahead`)."""
