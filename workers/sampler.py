@@ -233,7 +233,10 @@ def launch_sample(logits: torch.Tensor, params: list[SamplingParams], generators
     if random_rows:
         idx = device_tensor(random_rows, dev)
         sub = [params[i] for i in random_rows]
-        x = logits.to(torch.float32, copy=True) if len(sub) == len(params) else logits[idx].float()  # a copy
+        if len(sub) < len(params):
+            x = logits[idx].float()  # a copy
+        else:  # in place where `logits` is a float32 copy made above (the greedy ids are taken already)
+            x = logits.float() if logits is not raw else logits.to(torch.float32, copy=True)
         x.div_(device_tensor([p.temperature for p in sub], dev)[:, None])
         x = apply_min_p(x, [p.min_p for p in sub])
         u = torch.rand(len(sub), dtype=torch.float64, device=dev)

@@ -3,6 +3,7 @@ reference; plus the prompt-logprobs packing that rides the sampler's one copy ba
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -133,6 +134,31 @@ def test_greedy_rows_pick_after_penalties_and_logprobs_stay_raw():
     chosen_lp, rank, top_ids, top_lps = out.logprobs[0]
     assert chosen_lp == pytest.approx(raw[1].item()) and rank == 2 and top_ids == [0]
     assert sample(logits, [SamplingParams(temperature=0, logit_bias={3: 7.0})], [None]).token_ids == [3]
+
+
+def test_sampled_rows_draw_from_the_adjusted_logits_and_leave_the_models_alone(batch):
+    """Sampled rows draw from their adjusted logits (scaled in place where the sampler made that copy), and
+    neither the model's logits nor their raw logprobs change, with adjustments or without."""
+    logits, params, histories = batch
+    seeded = [dataclasses.replace(p, temperature=0.7, seed=i, logprobs=1) for i, p in enumerate(params)]
+    plain = [dataclasses.replace(p, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+                                 logit_bias=None) for p in seeded]
+
+    def gens():
+        return [torch.Generator().manual_seed(i) for i in range(len(seeded))]
+
+    before = logits.clone()
+    got = sample(logits, seeded, gens(), histories=histories)
+    assert torch.equal(logits, before)
+    adjusted = adjust_logits(logits, seeded, histories)
+    kept = adjusted.clone()
+    want = sample(adjusted, plain, gens())  # no adjustment: the rows scaled in a copy of their own
+    assert torch.equal(adjusted, kept)
+    assert got.token_ids == want.token_ids
+    raw, scaled = logits.log_softmax(-1), adjusted.log_softmax(-1)
+    for i, t in enumerate(got.token_ids):
+        assert got.logprobs[i][0] == pytest.approx(raw[i, t].item())
+        assert want.logprobs[i][0] == pytest.approx(scaled[i, t].item())
 
 
 def test_min_p_matches_reference_and_sampling_respects_it():
