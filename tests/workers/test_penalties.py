@@ -136,6 +136,29 @@ def test_greedy_rows_pick_after_penalties_and_logprobs_stay_raw():
     assert sample(logits, [SamplingParams(temperature=0, logit_bias={3: 7.0})], [None]).token_ids == [3]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_gathered_on_the_cpu_give_the_bits_of_the_passes_over_the_logits(seed):
+    """The CPU's penalties (the tokens seen gathered, adjusted, put back) against the GPU's in-place passes over
+    every logit, run here on the same tensors: equal bit for bit, zeros, infinities and subnormals included,
+    over rows with each penalty, all three and none."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 30, 700
+    x = torch.randn(rows, vocab, generator=g) * 5
+    x[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40])
+    counts = (torch.rand(rows, vocab, generator=g) < 0.03).float() * torch.randint(1, 6, (rows, vocab), generator=g)
+    counts[0, :5] = 2.0
+    prompt = torch.rand(rows, vocab, generator=g) < 0.03
+    u = torch.rand(rows, 3, generator=g).tolist()
+    params = [SamplingParams(frequency_penalty=2 * a - 1 if i % 3 else 0.0, presence_penalty=b if i % 2 else 0.0,
+                             repetition_penalty=1 + c if i % 5 else 1.0) for i, (a, b, c) in enumerate(u)]
+    for chosen in (params, [dataclasses.replace(p, presence_penalty=0.0, repetition_penalty=1.0) for p in params]):
+        gathered, passes = x.clone(), x.clone()
+        penalties._apply_penalties(gathered, chosen, counts, prompt, gather=True)
+        penalties._apply_penalties(passes, chosen, counts, prompt, gather=False)
+        assert torch.equal(gathered.view(torch.int32), passes.view(torch.int32))
+        assert not torch.equal(gathered, x)
+
+
 def test_sampled_rows_draw_from_the_adjusted_logits_and_leave_the_models_alone(batch):
     """Sampled rows draw from their adjusted logits (scaled in place where the sampler made that copy), and
     neither the model's logits nor their raw logprobs change, with adjustments or without."""
