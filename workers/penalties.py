@@ -122,8 +122,8 @@ def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: 
     rows are 50 MB a pass in float32 at a 49,152-token vocabulary. On the CPU (`gather`, its default there with a
     repetition or presence penalty) the logits of the tokens seen are gathered (`nonzero`, which on a GPU would
     wait for the device), adjusted and put back by the same operations in the same order: the same bits, and no
-    pass over the logits but the masks' (batch 256 on a 2-core EPYC: 126-149 -> 60-62 ms, one run 98, a greedy step's
-    sampling with a repetition penalty, docs/results/sampler-copies-20261208)."""
+    pass over the logits but the masks' (batch 256 on a 2-core EPYC, a greedy step's sampling with a repetition
+    penalty: 126-149 -> 60-62 ms, one run 98; docs/results/sampler-copies-20261208)."""
     coef = device_tensor([[p.frequency_penalty, p.presence_penalty, p.repetition_penalty] for p in params], x.device,
                          torch.float)  # one copy
     freq, pres, rep = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
