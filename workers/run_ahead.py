@@ -4,9 +4,9 @@ the device behind the one it runs, before that step's tokens are known, and queu
 A step queued ahead has each request of the step in flight that goes on, one row at the position after its
 token in flight, over a slot the scheduler allocates for it now (`Scheduler.schedule_ahead`,
 `step_inputs.build_ahead_inputs`), its input id read on the device from the step in flight's sampled ids
-(`ModelRunner.launch_ahead`). `Engine._step_ahead` collects and applies the steps; this module decides whether they
-may run ahead and queues them: whole, or under a grammar their forward pass, their sampling once the step in
-front is applied (`RunAhead.sample`)."""
+(`ModelRunner.launch_ahead`). `Engine._step_ahead` collects and applies the steps; this module decides whether
+they may run ahead and queues them: whole, or under a grammar their forward pass, their sampling once the step
+in front is applied (`RunAhead.sample`)."""
 
 from __future__ import annotations
 
