@@ -281,12 +281,10 @@ class Engine:
         A request that breaks the step fails alone: it is aborted (its blocks go back to the pool), its
         error is in `failed` (request id -> message) until the next step, and the others go on.
 
-        With `overlap_outputs` (on a GPU) the outputs of a step (text, stop strings, `RequestOutput`s: a third
-        of the host's work in a batch-256 step on an H200, docs/benchmarks.md) are made during the next one,
-        while the device runs it. A step then reports the previous step's outputs (a step with nothing to
-        schedule reports the last ones), so has_unfinished_requests() stays true until they are out; a stop
-        string found then finishes its request, whose token from the step in flight is dropped, as if it had
-        not been scheduled.
+        With `overlap_outputs` (on a GPU) a step's outputs (text, stop strings, `RequestOutput`s: a third of
+        the host's work at batch 256 on an H200) are made while the device runs the next step, which reports
+        them (one with nothing to schedule reports the last), so has_unfinished_requests() holds until they are
+        out; a stop string found then ends its request and drops its token from the step in flight.
 
         With `async_scheduling` (one GPU; steps without drafts) a decode step goes further: the step after it
         is queued behind it on the device before the host waits for it (`_step_ahead`)."""
@@ -304,16 +302,15 @@ class Engine:
         return self._step_ahead(current)
 
     def _step_ahead(self, current: InFlight) -> list[RequestOutput]:
-        """Collect `current`, a decode step queued on the device, queuing the next decode step of the same
-        requests behind it first, its input ids read there from `current`'s sampled ids (`workers/run_ahead.py`),
-        so that the host applies `current` and makes its outputs while the device runs the next. The next
-        `step()` call collects that step (and queues the one after), with no scheduling of its own, as long as
-        nothing else waits: no request waiting to be admitted, a free slot for every one (penalties, bad words
-        and `min_tokens` read the token in flight: penalties and bad words on the device, `min_tokens` by count
-        on the host). Under a grammar, whose mask needs that token on the host, only the next step's forward
-        pass is queued ahead, and its sampling once `current` is applied, before its outputs are made. A
-        request that `current` ends (a stop token, a stop string, an abort) computes one token more in the step
-        queued behind, which is dropped, and gives back its blocks as if it had not been scheduled."""
+        """Collect `current`, a decode step queued on the device, having queued the next decode step of its
+        requests behind it (input ids read there from `current`'s sampled ids: `workers/run_ahead.py`), so that
+        the host applies `current` and makes its outputs while the device runs the next. The next `step()`
+        collects that one (and queues the one after) unscheduled while nothing else waits: no request to admit,
+        a free slot for each (penalties and bad words read the token in flight on the device, `min_tokens` counts
+        it on the host). Under a grammar, whose mask needs that token on the host, the next step's forward pass
+        is queued ahead and its sampling once `current` is applied, before its outputs are made. A request
+        `current` ends (a stop token or string, an abort) computes one token more in the step queued behind,
+        which is dropped, and gives back its blocks as if it had not been scheduled."""
         self._inflight = self._ahead.run_ahead(current)
         try:
             earlier = self._take_pending()  # outputs left by a step before (the device is busy meanwhile)
