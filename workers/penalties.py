@@ -143,9 +143,9 @@ def _apply_penalties(x: torch.Tensor, params: list[SamplingParams], out_counts: 
             at = present.view(-1).nonzero().squeeze(1)
             v, r = flat[at], at // vocab
             if any_freq:
-                v = v.addcmul_(out_counts.reshape(-1)[at], freq[r, 0], value=-1)  # (one rounding, as below)
+                v.addcmul_(out_counts.reshape(-1)[at], freq[r, 0], value=-1)  # (one rounding, as below)
             if any_pres:
-                v = v.sub_(pres[r, 0])
+                v.sub_(pres[r, 0])
             flat[at] = v
         return
     if any_rep:
